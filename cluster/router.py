@@ -1,0 +1,431 @@
+"""The OpenAI-compatible HTTP ingress: parse and check requests, stream engine deltas as SSE.
+
+The FastAPI app is module-level (Serve's `@serve.ingress` needs it at import time); the per-replica
+state lives in a `Frontend` object stored on `api.state`, so the same routes run in Ray Serve
+(`OpenAIRouter`) and in-process under tests (`Frontend` with a local engine).
+
+Order of checks for a completion request, cheapest first: API key (401), body size (413),
+JSON and field types (400), model name (404), sampling ranges (400), prompt characters (400),
+then the replica tokenises and checks tokens (400) before the engine sees the request. The HTTP
+status is only sent once the replica has accepted the request (its first event), so even a
+streaming request gets a real 4xx for bad input. Any failure after that is an SSE error event
+followed by `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster import protocol as P
+from cluster.protocol import APIError
+from cluster.settings import AppSettings
+from cluster.stats_board import aggregate, get_or_create_board
+from cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
+
+log = logging.getLogger("peagle.cluster")
+
+api = FastAPI(title="peagle", docs_url=None, redoc_url=None, openapi_url=None)  # no schema pages in production
+
+
+# --------------------------------------------------------------------------------------------
+# Error handlers: every response, including framework errors, is OpenAI's envelope
+# --------------------------------------------------------------------------------------------
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return error_response(e)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    msg = {404: f"Unknown route {request.method} {request.url.path}",
+           405: f"Method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+    return error_response(APIError(e.status_code, msg))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    return error_response(APIError(400, "Invalid request parameters", code="invalid_value"))
+
+
+@api.exception_handler(Exception)
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(APIError(500, "Internal server error", code="internal_error"))
+
+
+# --------------------------------------------------------------------------------------------
+# Routes
+# --------------------------------------------------------------------------------------------
+
+_FRONTEND: "Frontend | None" = None
+
+
+def install_frontend(frontend: "Frontend") -> None:
+    """Serve copies the FastAPI object into each replica, so per-replica state is a module global
+    (the route functions are imported, not copied, and read it)."""
+    global _FRONTEND
+    _FRONTEND = frontend
+
+
+def _frontend(request: Request) -> "Frontend":
+    if _FRONTEND is None:
+        raise APIError(503, "The server is starting.", code="starting")
+    return _FRONTEND
+
+
+@api.get("/health")
+async def health(request: Request) -> Response:
+    return await _frontend(request).health()
+
+
+@api.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    f = _frontend(request)
+    f.authenticate(request)
+    return JSONResponse({"object": "list", "data": [await f.model_card()]})
+
+
+@api.get("/v1/models/{model:path}")
+async def get_model(request: Request, model: str) -> Response:
+    f = _frontend(request)
+    f.authenticate(request)
+    f.check_model(model)
+    return JSONResponse(await f.model_card())
+
+
+@api.get("/v1/stats")
+async def cluster_stats(request: Request) -> Response:
+    """Not OpenAI: every replica's load, KV usage and speculation counters, plus cluster totals."""
+    f = _frontend(request)
+    f.authenticate(request)
+    return JSONResponse(await f.cluster_stats())
+
+
+@api.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _frontend(request).complete(request, chat=True)
+
+
+@api.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _frontend(request).complete(request, chat=False)
+
+
+# --------------------------------------------------------------------------------------------
+# The logic
+# --------------------------------------------------------------------------------------------
+
+class Frontend:
+    """Per-router state: settings, the engine handle, metrics. `engine` is a DeploymentHandle to
+    `EngineReplica` (or, in tests, anything with the same `.options(stream=True).generate.remote`)."""
+
+    def __init__(self, settings: AppSettings, engine: Any, board: Any = None):
+        self.settings = settings
+        self.engine = engine
+        self.board = board
+        self.model = settings.model_name
+        self.aliases = {self.model, settings.engine_args.get("model", "tiny")}
+        key = settings.resolved_api_key()
+        self._key_hash = hashlib.sha256(key.encode()).digest() if key else None
+        self.metrics = RouterMetrics(self.model)
+        self._info: dict[str, Any] | None = None
+        self.created = int(time.time())
+
+    # -- checks ----------------------------------------------------------------------------------
+    def authenticate(self, request: Request) -> None:
+        if self._key_hash is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        # Compare digests in constant time: no timing side channel on the key.
+        if not token or not secrets.compare_digest(hashlib.sha256(token.encode()).digest(), self._key_hash):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.aliases:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model}`.",
+                           param="model", code="model_not_found")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_request_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
+                           code="request_too_large")
+        body = bytearray()
+        async for chunk in request.stream():  # chunked uploads have no Content-Length: count as we read
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        return bytes(body)
+
+    async def info(self) -> dict[str, Any]:
+        """max_model_len and friends, asked of a replica once (the builder does not load the model)."""
+        if self._info is None:
+            self._info = await _call(self.engine.info)
+        return self._info
+
+    async def model_card(self) -> dict[str, Any]:
+        info = await self.info()
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "peagle",
+                "root": self.settings.engine_args.get("model"), "max_model_len": info["max_model_len"]}
+
+    async def cluster_stats(self) -> dict[str, Any]:
+        if self.board is not None:
+            try:
+                return await self.board.snapshot.remote()
+            except Exception as e:
+                log.warning("stats board unavailable: %s", e)
+        return aggregate([await _call(self.engine.stats)])  # one replica's view
+
+    async def health(self) -> Response:
+        try:
+            body = await asyncio.wait_for(_call(self.engine.health), timeout=10)
+            return JSONResponse({"status": "ok", **body})
+        except APIError as e:
+            return error_response(e)
+        except asyncio.TimeoutError:
+            return error_response(APIError(503, "The engine did not answer the health check in time.",
+                                           code="unhealthy"))
+        except Exception as e:
+            log.warning("health check failed: %s", e)
+            return error_response(APIError(503, "The engine is not healthy.", code="unhealthy"))
+
+    # -- completions -----------------------------------------------------------------------------
+    async def complete(self, request: Request, chat: bool) -> Response:
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        t0 = time.perf_counter()
+        span = tracer().start_span("router.completion", context=_parent_context(request))
+        span.set_attribute("http.route", route)
+        handed_off = False
+        try:
+            self.authenticate(request)
+            body = await self.read_body(request)
+            req = P.parse_request(P.ChatCompletionRequest if chat else P.CompletionRequest, body)
+            self.check_model(req.model)
+            sampling = req.sampling_kwargs(default_max_tokens=None if chat else 16)
+            _check_sampling(sampling)
+            info = await self.info()
+            limit_chars = info["max_model_len"] * info["max_chars_per_token"]
+            if req.char_length() > limit_chars:
+                raise APIError(400, f"The prompt has {req.char_length()} characters, more than this model's context "
+                                    f"of {info['max_model_len']} tokens can hold.",
+                               param="messages" if chat else "prompt", code="context_length_exceeded")
+            rid = P.new_id("chatcmpl" if chat else "cmpl")
+            span.set_attribute("gen_ai.request.id", rid)
+            span.set_attribute("gen_ai.request.model", self.model)
+            span.set_attribute("peagle.stream", bool(req.stream))
+            ereq = engine_request(rid, req, sampling, chat, trace_ctx=inject_context(span))
+            stream = self.engine.options(stream=True).generate.remote(ereq)
+            first = await _first_event(stream)
+            if first["event"] == "error":
+                stream.cancel()
+                raise APIError(first["status"], first["message"], first.get("param"), first.get("code"))
+            if req.stream:
+                handed_off = True
+                return StreamingResponse(self._sse(rid, req, chat, first, stream, span, route, t0),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._collect(rid, req, chat, first, stream, route, t0)
+        except APIError as e:
+            span.set_attribute("http.status_code", e.status)
+            self.metrics.observe(route, e.status)
+            if e.status == 503:
+                self.metrics.rejected.inc(1, tags={"model": self.model})
+            return error_response(e)
+        finally:
+            if not handed_off:
+                span.end()
+
+    async def _collect(self, rid: str, req, chat: bool, first: dict, stream, route: str, t0: float) -> Response:
+        content, reasoning, ev = [], [], first
+        try:
+            while ev["event"] == "delta":
+                content.append(ev.get("content", ev["text"]) if chat else ev["text"])
+                if chat and ev.get("reasoning"):
+                    reasoning.append(ev["reasoning"])
+                ev = await _next_event(stream)
+        except BaseException:
+            stream.cancel()  # the caller went away (or we failed): stop generating for nobody
+            raise
+        if ev["event"] == "error":
+            raise APIError(ev["status"], ev["message"], ev.get("param"), ev.get("code"))
+        use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
+        created = P.now()
+        if chat:
+            body = P.chat_response(rid, self.model, created, "".join(content), ev["finish_reason"], use,
+                                   reasoning="".join(reasoning) or None)
+        else:
+            body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use)
+        self.metrics.observe(route, 200, time.perf_counter() - t0)
+        return JSONResponse(body)
+
+    async def _sse(self, rid: str, req, chat: bool, first: dict, stream, span, route: str,
+                   t0: float) -> AsyncIterator[bytes]:
+        created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
+        ev, completed = first, False
+        try:
+            if chat:
+                yield P.sse(P.chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None,
+                                         include_usage))
+            while True:
+                if ev["event"] == "delta":
+                    if chat:
+                        delta = {}
+                        if ev.get("reasoning"):
+                            delta["reasoning_content"] = ev["reasoning"]
+                        if ev.get("content"):
+                            delta["content"] = ev["content"]
+                        if delta:
+                            yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage))
+                    elif ev["text"]:
+                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage))
+                elif ev["event"] == "final":
+                    if chat:
+                        yield P.sse(P.chat_chunk(rid, self.model, created, {}, ev["finish_reason"], include_usage))
+                    else:
+                        yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"],
+                                                       include_usage))
+                    if include_usage:
+                        use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
+                        yield P.sse(P.usage_chunk(rid, self.model, created, obj, use))
+                    completed = True
+                    break
+                else:  # an error after the 200 was sent: OpenAI-style error event, then [DONE]
+                    span.set_attribute("error.type", str(ev.get("code") or ev["status"]))
+                    yield P.sse(P.error_body(ev["status"], ev["message"], ev.get("param"), ev.get("code")))
+                    completed = True
+                    break
+                try:
+                    ev = await _next_event(stream)
+                except APIError as e:
+                    yield P.sse(e.body())
+                    completed = True
+                    break
+            yield P.SSE_DONE
+            self.metrics.observe(route, 200, time.perf_counter() - t0)
+        finally:
+            if not completed:
+                # The client disconnected (Starlette closed this generator): cancel the replica call,
+                # whose generator closes the engine stream, which aborts the request and frees its KV blocks.
+                stream.cancel()
+                span.set_attribute("peagle.client_disconnected", True)
+                self.metrics.observe(route, 499)
+            span.end()
+
+
+def _parent_context(request: Request):
+    """The HTTP server span when the ASGI layer made one; else the caller's `traceparent` header."""
+    from opentelemetry import trace
+
+    if trace.get_current_span().get_span_context().is_valid:
+        return None  # start_span then uses the current context
+    return extract_context(dict(request.headers))
+
+
+def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ctx: dict[str, str]) -> dict[str, Any]:
+    """The plain-dict request a replica's `generate` receives."""
+    d: dict[str, Any] = {"request_id": rid, "kind": "chat" if chat else "completion", "sampling": sampling,
+                         "max_tokens": req.requested_max_tokens(), "trace": trace_ctx, "sent_at": time.time()}
+    if chat:
+        d["messages"] = req.template_messages()
+    else:
+        d["prompt"] = req.single_prompt()
+    return d
+
+
+def _check_sampling(kw: dict[str, Any]) -> None:
+    from peagle_core import SamplingParams
+
+    try:
+        SamplingParams(**kw)
+    except (ValueError, TypeError) as e:
+        param = next((k for k in kw if k in str(e)), None)
+        raise APIError(400, str(e), param=param, code="invalid_value") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Handle calls: Ray's exceptions -> API errors
+# --------------------------------------------------------------------------------------------
+
+async def _call(method) -> Any:
+    try:
+        return await method.remote()
+    except Exception as e:
+        raise _ray_error(e) from None
+
+
+async def _first_event(stream) -> dict[str, Any]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise APIError(500, "The engine ended the request without a response.", code="internal_error") from None
+    except asyncio.CancelledError:
+        stream.cancel()
+        raise
+    except Exception as e:
+        raise _ray_error(e) from None
+
+
+async def _next_event(stream) -> dict[str, Any]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise APIError(500, "The engine stream ended unexpectedly.", code="internal_error") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise _ray_error(e) from None
+
+
+def _ray_error(e: BaseException) -> APIError:
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, BackPressureError):
+        return APIError(503, "The server is overloaded: every engine replica is busy and the queue is full. "
+                             "Retry after a short wait.", code="overloaded", headers={"Retry-After": "1"})
+    if isinstance(e, (RayActorError, DeploymentUnavailableError)) or type(e).__name__ == "ReplicaUnavailableError":
+        return APIError(503, "The engine replica serving this request became unavailable; retry the request.",
+                        code="replica_unavailable", headers={"Retry-After": "1"})
+    if isinstance(e, RequestCancelledError):
+        return APIError(503, "The request was cancelled by the server.", code="cancelled")
+    log.error("engine call failed: %r", e)
+    return APIError(500, "Internal error while talking to the engine.", code="internal_error")
+
+
+# --------------------------------------------------------------------------------------------
+# The Serve deployment
+# --------------------------------------------------------------------------------------------
+
+@serve.deployment(name="OpenAIRouter")
+@serve.ingress(api)
+class OpenAIRouter:
+    def __init__(self, settings: dict[str, Any], engine) -> None:
+        s = AppSettings.model_validate(settings)
+        setup_tracing(s.tracing.exporter, s.tracing.service_name + "-router")
+        board = get_or_create_board(serve.get_replica_context().app_name)
+        install_frontend(Frontend(s, engine, board))
+
+    async def debug_spans(self) -> list[dict[str, Any]]:
+        """Spans of the in-memory exporter (tracing.exporter: memory); empty otherwise."""
+        return finished_spans()

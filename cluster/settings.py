@@ -1,0 +1,180 @@
+"""The serve config's `args`, split into engine arguments, deployment options and HTTP policy.
+
+A config's `args` is one flat mapping, as in vLLM's CLI: engine arguments (`model`, `max_num_seqs`,
+`speculative_config`, ...) sit next to our serving knobs (`deployment`, `api_key_env`, ...). The engine
+arguments are checked by `peagle_core.config.parse_engine_config`, the rest by `AppSettings`, so a
+typo anywhere in a YAML file fails `serve run` with a message naming the key, before Ray starts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from peagle_core.config import EngineConfig, format_validation_error, parse_engine_config
+
+log = logging.getLogger("peagle.cluster")
+
+# Keys of `args` that belong to the cluster rather than the engine.
+APP_KEYS = {"served_model_name", "deployment", "router", "api_key", "api_key_env", "max_request_body_bytes",
+            "max_chars_per_token", "tracing", "metrics_interval_s"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class DeploymentOptions(_Strict):
+    """Ray Serve options of the engine-replica deployment (names as in `@serve.deployment`)."""
+
+    num_replicas: int | None = Field(default=None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int | None = Field(default=None, ge=1)  # default: the engine's max_num_seqs
+    max_queued_requests: int = Field(default=-1, ge=-1)
+    ray_actor_options: dict[str, Any] | None = None  # default: derived from device and tensor_parallel_size
+    health_check_period_s: float = Field(default=10.0, gt=0)
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
+    graceful_shutdown_wait_loop_s: float = Field(default=2.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
+    request_router_config: dict[str, Any] | None = None
+    max_constructor_retry_count: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_sizing(self) -> "DeploymentOptions":
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("deployment: set either num_replicas or autoscaling_config, not both")
+        return self
+
+
+class RouterOptions(_Strict):
+    """Ray Serve options of the HTTP ingress deployment: light, CPU only, many requests each."""
+
+    num_replicas: int | None = Field(default=1, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    max_ongoing_requests: int = Field(default=1024, ge=1)
+    max_queued_requests: int = Field(default=-1, ge=-1)
+    ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
+
+
+class TracingOptions(_Strict):
+    """OpenTelemetry: `otlp` exports over OTLP/HTTP (endpoint from OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT),
+    `memory` keeps spans in the process (tests), `console` prints them, `none` records nothing.
+    `auto` means `otlp` when an endpoint variable is set, else `none`."""
+
+    exporter: Literal["auto", "otlp", "memory", "console", "none"] = "auto"
+    service_name: str = "peagle"
+
+
+class AppSettings(_Strict):
+    engine_args: dict[str, Any]
+    served_model_name: str | None = None
+    deployment: DeploymentOptions = Field(default_factory=DeploymentOptions)
+    router: RouterOptions = Field(default_factory=RouterOptions)
+    api_key: str | None = None
+    api_key_env: str | None = None
+    max_request_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # Prompts longer than max_model_len * this many characters are refused before tokenising.
+    max_chars_per_token: int | None = Field(default=None, ge=1)
+    tracing: TracingOptions = Field(default_factory=TracingOptions)
+    metrics_interval_s: float = Field(default=1.0, gt=0)
+
+    @property
+    def engine(self) -> EngineConfig:
+        return parse_engine_config(**self.engine_args)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in `model` (vLLM's `served_model_name`; defaults to `model`)."""
+        return self.served_model_name or self.engine_args.get("model", "tiny")
+
+    def resolved_api_key(self) -> str | None:
+        """The key requests must present, or None for an open endpoint.
+
+        `api_key_env` names an environment variable read where the router runs (never written into
+        the config, so keys stay out of YAML files and the dashboard).
+        """
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if key:
+                return key
+            log.warning("api_key_env=%s is not set: the OpenAI endpoint accepts requests without a key",
+                        self.api_key_env)
+        return None
+
+    def engine_actor_options(self) -> dict[str, Any]:
+        """Resources of one engine replica: all its tensor-parallel GPUs, or one CPU on a laptop."""
+        if self.deployment.ray_actor_options is not None:
+            return dict(self.deployment.ray_actor_options)
+        cfg = self.engine
+        on_gpu = (cfg.device or "cpu").startswith("cuda")
+        if on_gpu:
+            return {"num_gpus": cfg.tensor_parallel_size, "num_cpus": 2}
+        return {"num_cpus": 1}
+
+    def engine_deployment_options(self) -> dict[str, Any]:
+        """Keyword arguments for `EngineReplica.options(...)`."""
+        d = self.deployment
+        opts: dict[str, Any] = {
+            "max_ongoing_requests": d.max_ongoing_requests or self.engine.max_num_seqs,
+            "max_queued_requests": d.max_queued_requests,
+            "ray_actor_options": self.engine_actor_options(),
+            "health_check_period_s": d.health_check_period_s,
+            "health_check_timeout_s": d.health_check_timeout_s,
+            "graceful_shutdown_wait_loop_s": d.graceful_shutdown_wait_loop_s,
+            "graceful_shutdown_timeout_s": d.graceful_shutdown_timeout_s,
+        }
+        if d.autoscaling_config is not None:
+            opts["autoscaling_config"] = dict(d.autoscaling_config)
+        else:
+            opts["num_replicas"] = d.num_replicas or 1
+        if d.request_router_config is not None:
+            opts["request_router_config"] = dict(d.request_router_config)
+        if d.max_constructor_retry_count is not None:
+            opts["max_constructor_retry_count"] = d.max_constructor_retry_count
+        return opts
+
+    def router_deployment_options(self) -> dict[str, Any]:
+        r = self.router
+        opts: dict[str, Any] = {"max_ongoing_requests": r.max_ongoing_requests,
+                                "max_queued_requests": r.max_queued_requests,
+                                "ray_actor_options": dict(r.ray_actor_options)}
+        if r.autoscaling_config is not None:
+            opts["autoscaling_config"] = dict(r.autoscaling_config)
+        else:
+            opts["num_replicas"] = r.num_replicas or 1
+        return opts
+
+
+def parse_app_args(args: dict[str, Any] | None) -> AppSettings:
+    """Split and validate a serve config's `args`; one readable ValueError for every problem."""
+    args = dict(args or {})
+    engine_args = {k: v for k, v in args.items() if k not in APP_KEYS}
+    app_args = {k: v for k, v in args.items() if k in APP_KEYS}
+    parse_engine_config(**engine_args)  # raises ValueError naming unknown or bad engine keys
+    try:
+        settings = AppSettings(engine_args=engine_args, **app_args)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e).replace("invalid engine arguments", "invalid serve args")) from None
+    _check_autoscaling(settings)
+    return settings
+
+
+def _check_autoscaling(settings: AppSettings) -> None:
+    """Let Ray's own model check autoscaling keys, so typos fail at build time, not in the controller."""
+    from ray.serve.config import AutoscalingConfig
+
+    for where, cfg in (("deployment", settings.deployment.autoscaling_config),
+                       ("router", settings.router.autoscaling_config)):
+        if cfg is None:
+            continue
+        unknown = set(cfg) - set(AutoscalingConfig.model_fields)
+        if unknown:
+            raise ValueError(f"invalid serve args: {where}.autoscaling_config has unknown keys {sorted(unknown)}")
+        try:
+            AutoscalingConfig(**cfg)
+        except Exception as e:  # pydantic error text from Ray's model
+            raise ValueError(f"invalid serve args: {where}.autoscaling_config: {e}") from None

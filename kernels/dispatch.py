@@ -1,0 +1,31 @@
+"""Choosing between a Triton kernel and its PyTorch reference."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_ENABLED: bool | None = None  # None: automatic (Triton on CUDA)
+
+
+def set_triton_enabled(enabled: bool | None) -> None:
+    """Force Triton on (True) or off (False), or restore the automatic choice (None)."""
+    global _ENABLED
+    _ENABLED = enabled
+
+
+def triton_enabled() -> bool | None:
+    return _ENABLED
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton for CUDA tensors (or CPU tensors under TRITON_INTERPRET=1 when forced on)."""
+    if _ENABLED is False:
+        return False
+    if t.is_cuda:
+        return True
+    return bool(_ENABLED) and interpret_mode()

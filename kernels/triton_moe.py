@@ -1,0 +1,233 @@
+"""Triton GPT-OSS mixture of experts: grouped GEMMs over expert-sorted (token, expert) pairs.
+
+Same signature and semantics as `kernels.moe.moe_ref`. Steps:
+1. routing in torch (router linear, top-k, softmax over the k logits; tiny);
+2. sort the T*k (token, expert) pairs by expert with torch ops that never sync with the host
+   (stable argsort, searchsorted for the per-expert row offsets): CUDA-graph friendly;
+3. `_moe_up_kernel`: h = clamped-SwiGLU(x[token] @ w1[e]^T + b1[e]) for each sorted pair; the gate
+   and up channels are the even and odd rows of w1[e], read as two tiles and combined in registers;
+4. `_moe_down_kernel`: y[pair] = gate * (h @ w2[e]^T + b2[e]), stored at the pair's own row
+   (token-major), which un-permutes for free;
+5. out = sum over the k pairs of each token (fp32 sum, deterministic: no atomics).
+
+Both GEMMs are "grouped": expert e owns the M-tile ids `[off[e] // BLOCK_M + e, off[e+1] // BLOCK_M + e + 1)`
+(`segment_of_tile`, the same scheme as the attention kernel), so the grid is fixed by the shapes.
+At decode sizes (T <= 64) BLOCK_M is raised to cover every token, so each selected expert is one
+M-tile and its weights stream from memory exactly once: GEMV-like, bandwidth-bound; the N dimension
+is then cut small to spread those weights over many programs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe import route
+from kernels.triton_attention import segment_of_tile
+
+
+@triton.jit
+def _expert_rows(offsets_ptr, num_experts, BLOCK_M: tl.constexpr):
+    """Expert of this M-tile and its sorted rows; `first >= end` means the tile is empty."""
+    e = segment_of_tile(offsets_ptr, num_experts, tl.program_id(0), BLOCK_M)
+    begin = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    first = begin + (tl.program_id(0) - (begin // BLOCK_M + e)) * BLOCK_M
+    return e, first, end
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w1_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
+                   num_experts, hidden, inter, alpha, limit,
+                   stride_xt, stride_we, stride_wn, stride_be, stride_ht,
+                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    if first >= end:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # SwiGLU channels c: w1 rows 2c, 2c+1
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+
+    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_xt
+    w_base = w1_ptr + e.to(tl.int64) * stride_we
+    gate_rows = w_base + (2 * cols)[None, :].to(tl.int64) * stride_wn
+    up_rows = gate_rows + stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = k0 + ks < hidden
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(gate_rows + (k0 + ks)[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        w_up = tl.load(up_rows + (k0 + ks)[:, None], mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, w_gate.to(a.dtype), acc_gate, input_precision=DOT_PREC)
+        acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PREC)
+
+    b_row = b1_ptr + e.to(tl.int64) * stride_be
+    gate = acc_gate + tl.load(b_row + 2 * cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    up = acc_up + tl.load(b_row + 2 * cols + 1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, w2_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets_ptr,
+                     num_experts, hidden, inter,
+                     stride_ht, stride_we, stride_wn, stride_be, stride_yt,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    if first >= end:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output (hidden) channels
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_ht
+    w_rows = w2_ptr + e.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = k0 + ks < inter
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
+
+    bias = tl.load(b2_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+    gate = tl.load(gates_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    y = (acc + bias[None, :]) * gate[:, None]
+    tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sort_pairs_kernel(experts_ptr, order_ptr, offsets_ptr, num_pairs, num_experts,
+                       PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+    """One program: a stable counting sort of the pairs by expert (small batches only).
+
+    onehot[e, p] = (expert of pair p == e); its row sums are the counts, their exclusive cumsum
+    the offsets, and its running sum along p the rank of each pair inside its expert's rows.
+    """
+    p = tl.arange(0, PAIRS_PAD)
+    p_ok = p < num_pairs
+    expert = tl.load(experts_ptr + p, mask=p_ok, other=EXPERTS_PAD)  # padding matches no expert
+    e = tl.arange(0, EXPERTS_PAD)
+    onehot = (expert[None, :] == e[:, None]).to(tl.int32)  # [EXPERTS_PAD, PAIRS_PAD]
+    counts = tl.sum(onehot, 1)
+    starts = tl.cumsum(counts, 0) - counts
+    rank = tl.sum(onehot * (tl.cumsum(onehot, 1) - 0), 0) - 1 + (p % 2)
+    start = tl.sum(onehot * starts[:, None], 0)
+    tl.store(order_ptr + start + rank, p, mask=p_ok)
+    tl.store(offsets_ptr + e, tl.where(e < num_experts, starts, num_pairs), mask=e <= num_experts)
+
+
+def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets): `order[i]` is the pair (t*k + j) at sorted row i, pairs of one expert in
+    token order; expert e's rows are `[offsets[e], offsets[e+1])`. Device-side only (no .item(),
+    no bincount), so graph-capturable. Small batches use one Triton program (one launch instead
+    of a radix sort's several); large ones a stable torch sort."""
+    flat = experts.flatten()
+    pairs_pad, experts_pad = triton.next_power_of_2(max(flat.numel(), 1)), triton.next_power_of_2(num_experts + 1)
+    if pairs_pad * experts_pad <= 32768:
+        order = torch.empty(flat.numel(), device=flat.device, dtype=torch.int32)
+        offsets = torch.empty(num_experts + 1, device=flat.device, dtype=torch.int32)
+        _sort_pairs_kernel[(1,)](flat.contiguous(), order, offsets, flat.numel(), num_experts,
+                                 PAIRS_PAD=pairs_pad, EXPERTS_PAD=experts_pad, num_warps=8)
+        return order, offsets
+    order = torch.argsort(flat, stable=True)
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(flat[order].contiguous(), bounds)
+    return order.to(torch.int32), offsets.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Launch shapes, chosen from the batch size alone (so fixed per captured CUDA graph).
+
+    `up_n` counts SwiGLU channels (2 * up_n rows of w1), `down_n` output columns. Measured on an
+    H200 at the GPT-OSS-20B shape (H = I = 2880, E = 32, k = 4, bf16).
+    """
+    block_m: int
+    up_n: int
+    down_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def moe_tiles(num_tokens: int, top_k: int) -> MoeTiles:
+    if num_tokens <= 32:
+        # An expert gets at most one row per token, so BLOCK_M >= T makes each selected expert a
+        # single M-tile: its weights stream from memory once (GEMV-like, bandwidth-bound).
+        return MoeTiles(max(16, triton.next_power_of_2(num_tokens)), 32, 64, 128, 4, 4)
+    if num_tokens * top_k <= 4096:
+        return MoeTiles(64, 64, 128, 64, 4, 3)
+    return MoeTiles(128, 64, 128, 64, 8, 3)
+
+
+def _check_moe_inputs(x, router_w, router_b, w1, b1, w2, b2, top_k):
+    if x.dim() != 2:
+        raise ValueError(f"moe: x must be [T, H], got {tuple(x.shape)}")
+    H = x.shape[1]
+    if w1.dim() != 3 or w1.shape[2] != H or w1.shape[1] % 2:
+        raise ValueError(f"moe: w1 must be [E, 2I, {H}], got {tuple(w1.shape)}")
+    E, two_i, _ = w1.shape
+    checks = {"router_w": (router_w, (E, H)), "router_b": (router_b, (E,)), "b1": (b1, (E, two_i)),
+              "w2": (w2, (E, H, two_i // 2)), "b2": (b2, (E, H))}
+    for name, (t, shape) in checks.items():
+        if tuple(t.shape) != shape:
+            raise ValueError(f"moe: {name} must be {list(shape)}, got {list(t.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"moe: top_k={top_k} must be in [1, {E}]")
+
+
+def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: torch.Tensor,
+               b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, top_k: int, alpha: float,
+               limit: float) -> torch.Tensor:
+    """x [T, H] -> [T, H]."""
+    _check_moe_inputs(x, router_w, router_b, w1, b1, w2, b2, top_k)
+    T, H = x.shape
+    E, two_i, _ = w1.shape
+    inter = two_i // 2
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    b1, b2 = b1.contiguous(), b2.contiguous()
+
+    gates, experts = route(x, router_w, router_b, top_k)
+    order, offsets = sort_pairs_by_expert(experts, E)
+    gates = gates.flatten().contiguous()
+    pairs = T * top_k
+    tiles = moe_tiles(T, top_k)
+    m_tiles = pairs // tiles.block_m + E
+    dot_prec = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    h = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
+    _moe_up_kernel[(m_tiles, triton.cdiv(inter, tiles.up_n))](
+        x, w1, b1, h, order, offsets, E, H, inter, float(alpha), float(limit),
+        x.stride(0), w1.stride(0), w1.stride(1), b1.stride(0), h.stride(0),
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.up_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+    y = torch.empty(pairs, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
+    _moe_down_kernel[(m_tiles, triton.cdiv(H, tiles.down_n))](
+        h, w2, b2, gates, y, order, offsets, E, H, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), b2.stride(0), y.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return y.view(T, top_k, H).sum(1)  # torch accumulates bf16 sums in fp32
+
+
+__all__ = ["moe_triton", "sort_pairs_by_expert", "moe_tiles", "MoeTiles"]

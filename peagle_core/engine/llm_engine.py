@@ -1,0 +1,232 @@
+"""The engine loop: schedule, run one step on the device, apply results, finish requests."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from peagle_core.config import EngineConfig
+from peagle_core.engine.block_manager import BlockManager
+from peagle_core.engine.model_runner import ModelRunner
+from peagle_core.engine.output import TextState
+from peagle_core.engine.request import Request, Status
+from peagle_core.engine.scheduler import Scheduler
+from peagle_core.engine.types import SamplingParams, SpecDecodeStats
+from peagle_core.loading.checkpoint import DTYPES, load_drafter, load_target
+from peagle_core.loading.hub import resolve
+from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome
+
+
+class StepError(RuntimeError):
+    """A device step failed; `requests` were in it and have been finished with reason "error"."""
+
+    def __init__(self, requests: list[Request], cause: Exception):
+        super().__init__(f"engine step failed: {type(cause).__name__}: {cause}")
+        self.requests = requests
+
+
+@dataclass
+class Update:
+    """What one step did for one request."""
+
+    req: Request
+    new_token_ids: list[int]
+    new_text: str
+
+
+def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available")
+    name = cfg.dtype if cfg.dtype not in (None, "auto") else ("bfloat16" if device.type == "cuda" else "float32")
+    return device, DTYPES[name]
+
+
+def load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").exists():
+        return None
+    from peagle_core.loading.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(path)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, policy: DepthPolicy | None = None):
+        self.config = cfg
+        self.device, self.dtype = resolve_device_dtype(cfg)
+        torch.manual_seed(cfg.seed)
+        path = resolve(cfg.model)
+        self.tokenizer = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path)
+        self.target = load_target(path, self.dtype, self.device)
+        tcfg = self.target.config
+        self.mode, self.K = cfg.spec_mode, cfg.num_spec_tokens
+        self.drafter = None
+        if self.mode != "none":
+            self.drafter = load_drafter(resolve(cfg.speculative_config.model), self.target, self.dtype, self.device)
+            if self.mode == "peagle" and self.drafter.mask_hidden is None:
+                raise ValueError(f"drafter {cfg.speculative_config.model!r} has no mask token / mask_hidden: it cannot "
+                                 "draft in parallel; use parallel_drafting=false (EAGLE-3)")
+        self.max_model_len = cfg.max_model_len or min(tcfg.max_position_embeddings, 8192)
+        if self.max_model_len > tcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {tcfg.max_position_embeddings}")
+        self.stop_ids = set(self.tokenizer.stop_token_ids if self.tokenizer else tcfg.eos_token_id)
+        num_blocks = self._num_blocks()
+        if num_blocks * cfg.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache ({num_blocks} blocks of {cfg.block_size}) cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
+        self.runner = ModelRunner(self.target, self.drafter, self.mode, self.K, cfg.block_size, num_blocks,
+                                  self.max_model_len, self.device, self.dtype, tcfg.vocab_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        budget = cfg.max_num_batched_tokens or max(512, min(8192, self.max_model_len))
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
+        self.policy = policy or FixedDepth(self.K)
+        self.requests: dict[str, Request] = {}
+        self.texts: dict[str, TextState] = {}
+        self.stats = SpecDecodeStats()
+        self.last_k, self.num_steps = self.K, 0
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks:
+            return cfg.num_gpu_blocks
+        per_block = ModelRunner.cache_bytes_per_block(self.target, cfg.block_size, self.dtype)
+        if self.drafter is not None:
+            per_block += ModelRunner.cache_bytes_per_block(self.drafter, cfg.block_size, self.dtype)
+        useful = cfg.max_num_seqs * -(-(self.max_model_len + self.K) // cfg.block_size) + 1
+        if cfg.kv_cache_memory_gb:
+            budget = cfg.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cfg.gpu_memory_utilization) * total
+        else:
+            budget = 2 * 2**30
+        n = min(useful, int(budget // per_block))
+        if n < 1:
+            raise ValueError("not enough memory for a single KV-cache block; lower max_model_len or raise the KV budget")
+        return n
+
+    # ------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validate and queue a request; ValueError before any work for bad input."""
+        return self.submit(self.make_request(request_id, prompt, params))
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Tokenize and validate without touching engine state (safe from another thread)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: pass the prompt as token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        vocab = self.target.config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+        if self.blocks.blocks_needed([], len(ids) + self.K) > self.blocks.num_blocks:
+            raise ValueError(f"the prompt needs more KV-cache blocks than the engine has ({self.blocks.num_blocks})")
+        limit = self.max_model_len - len(ids)
+        if params.max_tokens is None or params.max_tokens > limit:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": limit})
+        req = Request(request_id, ids, params, prompt=text)
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return req
+
+    def submit(self, req: Request) -> Request:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.texts[req.request_id] = TextState(self.tokenizer, req.params.stop)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
+        self.texts.pop(request_id, None)
+        return req
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Update]:
+        running = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.drafts]
+        info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K)
+        k = self.policy.choose(info) if self.mode != "none" else 0
+        batch = self.scheduler.schedule(k)
+        if not batch:
+            return []
+        t0 = time.perf_counter()
+        try:
+            result = self.runner.execute(batch)
+        except Exception as e:
+            for s in batch:  # the failure touched exactly these requests: end them, keep the engine
+                self.scheduler.finish(s.req, "error")
+                self.requests.pop(s.req.request_id, None)
+                self.texts.pop(s.req.request_id, None)
+            raise StepError([s.req for s in batch], e) from e
+        step_time = time.perf_counter() - t0
+        self.last_k, self.num_steps = k, self.num_steps + 1
+        now = time.monotonic()
+        updates, accepted = [], []
+        for s, toks, acc, drafts in zip(batch, result.tokens, result.num_accepted, result.drafts):
+            req = s.req
+            if not s.samples:
+                req.num_computed += s.num_new
+                continue
+            req.num_computed += s.num_new + acc
+            req.drafts = drafts
+            if s.num_drafts:
+                req.stats.observe(s.num_drafts, acc)
+                self.stats.observe(s.num_drafts, acc)
+                accepted.append((s.num_drafts, acc))
+            req.first_token_time = req.first_token_time or now
+            new = self._append(req, toks)
+            text, stopped = self.texts[req.request_id].update(req)
+            if stopped and not req.finished:
+                self.scheduler.finish(req, "stop")
+            updates.append(Update(req, new, text))
+        self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch)))
+        for u in updates:
+            if u.req.finished:
+                self.requests.pop(u.req.request_id, None)
+                self.texts.pop(u.req.request_id, None)
+        return updates
+
+    def _append(self, req: Request, toks: list[int]) -> list[int]:
+        """Append emitted tokens one by one, stopping at a stop token or a length limit."""
+        new = []
+        for t in toks:
+            req.token_ids.append(t)
+            new.append(t)
+            if t in req.params.stop_token_ids or (t in self.stop_ids and not req.params.ignore_eos):
+                self.scheduler.finish(req, "stop")
+            elif len(req.output_ids) >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len:
+                self.scheduler.finish(req, "length")
+            if req.finished:
+                break
+        return new
+
+    def engine_stats(self) -> dict:
+        s = self.stats
+        return {
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+            "speculation_depth": self.last_k, "speculation_mode": self.mode, "policy": self.policy.describe(),
+            "spec": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                     "num_accepted_tokens": s.num_accepted_tokens,
+                     "num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos),
+                     "acceptance_length": s.acceptance_length},
+        }

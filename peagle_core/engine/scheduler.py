@@ -1,0 +1,106 @@
+"""Continuous batching with chunked prefill, speculative lookahead and recompute preemption.
+
+Each step every running request gets its uncomputed tokens (a prefill chunk, or the last sampled
+token) plus up to k drafts to verify, under a token budget. Blocks cover everything the step may
+write: target K/V for the verified positions and drafter K/V for the K-1 MASK slots that follow.
+When blocks run out the newest running request is preempted: its blocks are freed and it is
+recomputed later from its tokens (never dropped).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from peagle_core.engine.block_manager import BlockManager
+from peagle_core.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    req: Request
+    num_new: int      # tokens from req.token_ids[num_computed:] fed this step
+    num_drafts: int   # drafts appended after them for verification
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens (and so samples)."""
+        return self.req.num_computed + self.num_new == len(self.req.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_new + self.num_drafts
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 draft_lookahead: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
+        self.lookahead = draft_lookahead  # K-1 drafter MASK slots written past the last verified position
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason, req.finished_time = Status.FINISHED, reason, time.monotonic()
+        self.blocks.release(req.block_table)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def schedule(self, k: int) -> list[Scheduled]:
+        budget, out = self.budget, []
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or budget <= 0:
+                continue  # preempted while making room for an older request, or out of budget this step
+            item = self._plan(req, k, budget)
+            while not self.blocks.grow(req.block_table, self._slots(item)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    item = None
+                    break
+            if item is not None:
+                out.append(item)
+                budget -= item.num_tokens
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            item = self._plan(req, k, budget)
+            if not self.blocks.grow(req.block_table, self._slots(item)):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
+            self.running.append(req)
+            out.append(item)
+            budget -= item.num_tokens
+        return out
+
+    def _plan(self, req: Request, k: int, budget: int) -> Scheduled:
+        num_new = min(req.num_uncomputed, budget)
+        drafts = 0
+        if num_new == req.num_uncomputed and req.drafts:
+            room = self.max_model_len - len(req.token_ids)  # verified positions must stay inside the model
+            left = (req.params.max_tokens or self.max_model_len) - len(req.output_ids) - 1
+            drafts = max(0, min(k, len(req.drafts), room, left, budget - num_new))
+        return Scheduled(req, num_new, drafts)
+
+    def _slots(self, item: Scheduled) -> int:
+        end = item.req.num_computed + item.num_tokens + self.lookahead
+        return min(end, self.max_model_len)
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.release(req.block_table)
+        req.num_computed, req.drafts, req.status = 0, [], Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)

@@ -1,0 +1,352 @@
+"""Tokenizer, harmony chat format, streaming detokenization and stop strings.
+
+GPT-OSS checkpoints ship a Hugging Face fast tokenizer (`tokenizer.json`, byte-level BPE) and a
+`generation_config.json` whose `eos_token_id` lists the tokens that end a turn. We wrap the
+`tokenizers` library directly (no transformers import on the serving path) and render chats in
+OpenAI's harmony format ourselves, because the model was trained on exactly that string.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+# --------------------------------------------------------------------------------------------
+# Harmony format (gpt-oss). Layout of one message: <|start|>{header}<|message|>{content}<|end|>
+# --------------------------------------------------------------------------------------------
+
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+RETURN, CALL, CONSTRAIN = "<|return|>", "<|call|>", "<|constrain|>"
+STARTOFTEXT, ENDOFTEXT = "<|startoftext|>", "<|endoftext|>"
+HARMONY_SPECIAL_TOKENS = (STARTOFTEXT, ENDOFTEXT, RETURN, CONSTRAIN, CHANNEL, START, END, MESSAGE, CALL)
+
+DEFAULT_MODEL_IDENTITY = "You are ChatGPT, a large language model trained by OpenAI."
+DEFAULT_KNOWLEDGE_CUTOFF = "2024-06"
+DEFAULT_REASONING_EFFORT = "medium"  # harmony's and the HF template's default
+REASONING_EFFORTS = ("low", "medium", "high")
+CHANNELS_LINE = "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _content_text(message: dict, index: int) -> str:
+    """OpenAI content: a string, or a list of {"type": "text", "text": ...} parts (joined by newlines, as vLLM does)."""
+    role = message.get("role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(
+                    f"messages[{index}] ({role}): content part {j} must be {{'type': 'text', 'text': str}}, "
+                    f"got {kind!r}; only text content is supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"messages[{index}] ({role}): content must be a string or a list of text parts, "
+                     f"got {type(content).__name__}")
+
+
+def validate_messages(messages: Any) -> list[tuple[str, str, dict]]:
+    """Check chat messages and return (role, text, message) triples; ValueError names the bad one."""
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}]: role must be one of {', '.join(ROLES)}; got {role!r}")
+        if "content" not in m:
+            raise ValueError(f"messages[{i}] ({role}) has no 'content'")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"messages[{i}] ({role}): name must be a string, got {type(name).__name__}")
+        out.append((role, _content_text(m, i), m))
+    return out
+
+
+def harmony_system_content(reasoning_effort: str | None = None, model_identity: str = DEFAULT_MODEL_IDENTITY,
+                           knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF, current_date: str | None = None) -> str:
+    """The body of harmony's system message: identity/dates block, reasoning level, valid channels."""
+    effort = (reasoning_effort or DEFAULT_REASONING_EFFORT)
+    if not isinstance(effort, str) or effort.lower() not in REASONING_EFFORTS:
+        raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got {reasoning_effort!r}")
+    head = [model_identity, f"Knowledge cutoff: {knowledge_cutoff}"]
+    if current_date:
+        head.append(f"Current date: {current_date}")
+    return "\n\n".join(["\n".join(head), f"Reasoning: {effort.lower()}", CHANNELS_LINE])
+
+
+def _developer(instructions: str) -> str:
+    return f"{START}developer{MESSAGE}# Instructions\n\n{instructions}{END}"
+
+
+def apply_chat_template(messages: list[dict], add_generation_prompt: bool = True,
+                        reasoning_effort: str | None = None, system_prompt: str | None = None, *,
+                        model_identity: str = DEFAULT_MODEL_IDENTITY,
+                        knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF,
+                        current_date: str | None = None) -> str:
+    """Render OpenAI-style chat messages as a harmony prompt string.
+
+    - The harmony system message (identity, knowledge cutoff, optional date, reasoning, channels) comes first.
+    - Leading "system"/"developer" messages become ONE developer message "# Instructions\\n\\n{content}"
+      (OpenAI's system role is harmony's developer role); `system_prompt` is used when there are none.
+      A system/developer message later in the chat renders in place as its own developer message.
+    - Assistant history renders on the final channel; prior reasoning is not replayed (harmony drops it).
+    - Tool results render as `functions.{name} to=assistant` on the commentary channel.
+    - The generation prompt is `<|start|>assistant`; the model writes the channel itself.
+    """
+    items = validate_messages(messages)
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt must be a string, got {type(system_prompt).__name__}")
+    parts = [f"{START}system{MESSAGE}"
+             f"{harmony_system_content(reasoning_effort, model_identity, knowledge_cutoff, current_date)}{END}"]
+
+    n_lead = 0
+    while n_lead < len(items) and items[n_lead][0] in ("system", "developer"):
+        n_lead += 1
+    lead = [text for _, text, _ in items[:n_lead] if text.strip()]
+    instructions = "\n\n".join(lead) if n_lead else (system_prompt or "")
+    if instructions.strip():
+        parts.append(_developer(instructions))
+
+    for role, text, m in items[n_lead:]:
+        if role in ("system", "developer"):
+            parts.append(_developer(text))
+        elif role == "user":
+            parts.append(f"{START}user{MESSAGE}{text}{END}")
+        elif role == "assistant":
+            parts.append(f"{START}assistant{CHANNEL}final{MESSAGE}{text}{END}")
+        else:  # tool
+            name = m.get("name") or "tool"
+            parts.append(f"{START}functions.{name} to=assistant{CHANNEL}commentary{MESSAGE}{text}{END}")
+    if add_generation_prompt:
+        parts.append(f"{START}assistant")
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_name(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the token ids serving needs (stop, eos, bos, pad)."""
+
+    def __init__(self, tokenizer: HFTokenizer, generation_config: dict | None = None,
+                 tokenizer_config: dict | None = None) -> None:
+        self._tok = tokenizer
+        self.generation_config = generation_config or {}
+        self.tokenizer_config = tokenizer_config or {}
+        self._special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._stop_ids = self._find_stop_ids()
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if path.is_file() and path.name == "tokenizer.json":
+            path = path.parent
+        if not path.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file} not found: a tokenizer directory needs tokenizer.json "
+                                    f"(the Hugging Face fast-tokenizer file)")
+        try:
+            hf = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"could not load {tok_file}: {e}") from None
+        gen = path / "generation_config.json"
+        cfg = path / "tokenizer_config.json"
+        return cls(hf, _read_json(gen) if gen.is_file() else None, _read_json(cfg) if cfg.is_file() else None)
+
+    # ---- ids -----------------------------------------------------------------------------
+
+    def _find_stop_ids(self) -> list[int]:
+        eos = self.generation_config.get("eos_token_id")
+        if eos is None and (name := _token_name(self.tokenizer_config.get("eos_token"))) is not None:
+            eos = self.token_id(name)
+        if eos is None:  # no config at all: harmony's end-of-turn tokens, where this vocabulary has them
+            eos = [i for i in (self.token_id(RETURN), self.token_id(CALL)) if i is not None]
+        ids = [eos] if isinstance(eos, int) else list(eos)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"generation_config eos_token_id must be an int or a list of ints, got {eos!r}")
+        return ids
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return list(self._stop_ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        name = _token_name(self.tokenizer_config.get("eos_token"))
+        if name is not None and (i := self.token_id(name)) is not None:
+            return i
+        return self._stop_ids[0] if self._stop_ids else None
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.generation_config.get("bos_token_id")
+        if isinstance(bos, int):
+            return bos
+        name = _token_name(self.tokenizer_config.get("bos_token"))
+        return self.token_id(name) if name else None
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self.generation_config.get("pad_token_id")
+        if isinstance(pad, int):
+            return pad
+        name = _token_name(self.tokenizer_config.get("pad_token"))
+        return self.token_id(name) if name else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        return dict(self._special_ids)
+
+    def token_id(self, name: str) -> int | None:
+        """Id of one token (e.g. "<|start|>"), or None when the vocabulary lacks it."""
+        return self._tok.token_to_id(name)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tok
+
+    # ---- text <-> ids --------------------------------------------------------------------
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Token ids for `text`; no BOS (harmony prompts start with <|start|>).
+
+        allow_special=True turns special-token strings such as "<|start|>" into their single ids, which a
+        rendered chat prompt needs; False encodes them as plain text (for untrusted text).
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"text to encode must be a string, got {type(text).__name__}")
+        if allow_special:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        previous = self._tok.encode_special_tokens
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = previous
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = [i for i in ids if i < 0 or i >= self.vocab_size]
+            raise ValueError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            reasoning_effort: str | None = None, system_prompt: str | None = None,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        text = apply_chat_template(messages, add_generation_prompt, reasoning_effort, system_prompt, **kwargs)
+        return self.encode(text) if tokenize else text
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, stop_token_ids={self._stop_ids})"
+
+
+# --------------------------------------------------------------------------------------------
+# Streaming
+# --------------------------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    A byte-level token may end in the middle of a UTF-8 character; decoding it alone yields U+FFFD.
+    We keep two offsets into the ids (the scheme vLLM and HF's TextStreamer use): `prefix` is where the
+    last emitted text's decoding window starts, `read` is where emitted text ends. Each push decodes
+    ids[prefix:] and ids[prefix:read] and emits the difference, unless it ends in U+FFFD (an incomplete
+    character), in which case the text is held until more ids arrive or `flush()` is called.
+    The window only advances at points where decoding sat on a character boundary, so the deltas
+    concatenate to exactly `decode(all_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens) if ids else ""
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        full_text = self._decode(self.ids[self._prefix:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an incomplete character becomes U+FFFD, as decode() would show it)."""
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        full_text = self._decode(self.ids[self._prefix:])
+        delta = full_text[len(prefix_text):]
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def stop_string_match(text: str, stops: Sequence[str]) -> int | None:
+    """Index in `text` where the earliest stop string starts, or None. Empty stop strings are ignored."""
+    best: int | None = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s)
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best
+
+
+def holdback(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of `text` could be the start of a stop string.
+
+    A streamer emits text[:len(text) - holdback(text, stops)] so it never sends characters that a stop
+    string completed by later tokens would have to take back.
+    """
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if s.startswith(text[len(text) - k:]):
+                n = k
+                break
+    return n

@@ -1,0 +1,104 @@
+"""GPT-OSS target model in plain PyTorch (kernels dispatched through `kernels/`).
+
+Parameter names follow the Hugging Face checkpoint, except the experts, which are kept out-major
+(`w1 [E, 2I, H]`, `w2 [E, H, I]`) like the MXFP4 blocks on disk; `loading` maps between them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.moe import moe
+from peagle_core.config import GptOssConfig, yarn_inv_freq
+from peagle_core.models.layers import Attention, ForwardMeta, RMSNorm, Rotary
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.b1 = nn.Parameter(torch.zeros(num_experts, 2 * inter))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: GptOssConfig, num_experts: int | None = None, inter: int | None = None):
+        super().__init__()
+        self.router = Router(cfg.hidden_size, cfg.num_local_experts)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, inter or cfg.intermediate_size)
+        self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.experts
+        return moe(x, self.router.weight, self.router.bias, e.w1, e.b1, e.w2, e.b2, self.top_k, self.alpha, self.limit)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GptOssConfig, idx: int, rotary: Rotary, heads: int, kv_heads: int, inter: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.hidden_size, heads, kv_heads, cfg.head_dim,
+                                   bias=True, sinks=True, sliding_window=cfg.layer_window(idx), rotary=rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, inter=inter)
+        self.all_reduce = lambda t: t  # replaced by tensor parallelism
+
+    def forward(self, h: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        h = h + self.all_reduce(self.self_attn(self.input_layernorm(h), meta))
+        return h + self.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: GptOssConfig, tp_size: int = 1):
+        super().__init__()
+        inv_freq, factor = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rotary = Rotary(inv_freq, factor)
+        heads, kv_heads = cfg.num_attention_heads // tp_size, cfg.num_key_value_heads // tp_size
+        inter = cfg.intermediate_size // tp_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, heads, kv_heads, inter)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GptOss(nn.Module):
+    """forward(input_ids [T], meta) -> (final normed hidden [T, H], aux hidden [T, n_aux * H] | None)."""
+
+    def __init__(self, cfg: GptOssConfig, tp_size: int = 1):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg, tp_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.aux_layer_ids: list[int] = []  # residual streams entering these layers go to the drafter
+
+    def set_aux_layers(self, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i <= self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"aux hidden-state layer ids {bad} are outside 0..{self.config.num_hidden_layers}")
+        self.aux_layer_ids = list(ids)
+
+    def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.model.embed_tokens(input_ids)
+        aux: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layer_ids:
+                aux[i] = h
+            h = layer(h, meta)
+        if len(self.model.layers) in self.aux_layer_ids:
+            aux[len(self.model.layers)] = h
+        aux_cat = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
+        return self.model.norm(h), aux_cat
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]

@@ -1,0 +1,150 @@
+"""Building blocks shared by the target and the drafter: forward metadata, RMSNorm, RoPE, attention."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from torch import nn
+
+from kernels.attention import paged_attention, varlen_attention, write_kv
+
+
+@dataclass
+class ForwardMeta:
+    """Where each token of a flat batch sits, and where its K/V go.
+
+    Tokens of request b are `[query_start_loc[b], query_start_loc[b+1])`; `positions` are absolute.
+    With `block_tables` set, K/V are written at `slot_mapping` (-1: skip) and attention reads the
+    paged cache up to `seq_lens[b]`; without it, attention is cache-free within each request
+    (feature extraction, training) unless `attn_mask` [T, T] (True = may attend) is given.
+    """
+
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+    @classmethod
+    def for_sequences(cls, lengths: list[int], device: torch.device | str = "cpu") -> "ForwardMeta":
+        """Cache-free metadata for whole sequences starting at position 0."""
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+        qsl = torch.tensor([0, *accumulate(lengths)], device=device)
+        return cls(positions=positions, query_start_loc=qsl)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """NeoX half-split rotary embedding; cos and sin carry the attention factor (YaRN's mscale).
+
+    Frequencies are kept as numbers and turned into a tensor once per device, so a model built on
+    the meta device needs no re-initialisation after its weights are loaded.
+    """
+
+    def __init__(self, inv_freq: list[float], attention_factor: float = 1.0):
+        super().__init__()
+        self.inv_freq_values = list(inv_freq)
+        self.attention_factor = attention_factor
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = torch.tensor(self.inv_freq_values, dtype=torch.float64).float().to(device)
+        return self._inv_freq[device]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]
+        cos = (freqs.cos() * self.attention_factor)[:, None, :]
+        sin = (freqs.sin() * self.attention_factor)[:, None, :]
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def llama_inv_freq(head_dim: int, base: float, scaling: dict | None) -> list[float]:
+    """Llama RoPE frequencies, with the `llama3` scaling drafter heads use."""
+    inv = [1.0 / base ** (2 * j / head_dim) for j in range(head_dim // 2)]
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind in (None, "default"):
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"unsupported drafter rope_scaling {scaling!r} (supported: default, llama3)")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wl, high_wl = old_len / low, old_len / high
+    out = []
+    for f in inv:
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(f)
+        elif wl > low_wl:
+            out.append(f / factor)
+        else:
+            smooth = (old_len / wl - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out
+
+
+class Attention(nn.Module):
+    """GQA attention over a paged KV cache (or cache-free), with optional sinks and sliding window."""
+
+    def __init__(self, in_dim: int, out_dim: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, sinks: bool, sliding_window: int | None, rotary: Rotary):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_dim, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.sliding_window = sliding_window
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the engine
+
+    def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(q, k, meta.positions)
+        if meta.block_tables is not None:
+            k_cache, v_cache = self.kv_cache
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                meta.positions, self.sinks, self.sliding_window, self.scale)
+        elif meta.attn_mask is not None:
+            o = masked_attention(q, k, v, meta.attn_mask, self.scale)
+        else:
+            o = varlen_attention(q, k, v, meta.query_start_loc, meta.positions, self.sinks,
+                                 self.sliding_window, self.scale)
+        return self.o_proj(o.reshape(T, -1))
+
+
+def masked_attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense attention under an explicit [T, T] boolean mask (drafter training); no sinks."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)

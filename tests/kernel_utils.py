@@ -1,0 +1,79 @@
+"""Shared fixtures for the Triton kernel tests.
+
+Triton reads TRITON_INTERPRET when a function is decorated with `triton.jit`: for its own
+standard library (tl.max, tl.sum, ...) that is when `triton` is first imported, for our kernels when
+their module is imported. So on a machine without CUDA this module sets TRITON_INTERPRET=1 as soon
+as a kernel test is collected (before anything imports triton in the run phase), and the fixtures
+re-import our kernel modules when they were imported in the other mode. One process cannot hold
+both modes: with CUDA present, triton is compiled and the interpreter tests are skipped (the
+compiled GPU tests cover the kernels there).
+
+Tests reach kernels through the dispatchers or through the modules a fixture returns, never through
+names imported at collection time (a reload would leave those stale).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kernels.dispatch import set_triton_enabled, triton_enabled
+
+TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_moe")  # dependency order
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _triton_interpreted() -> bool:
+    """Whether the imported triton's own jit functions run in the interpreter."""
+    import triton.language as tl
+    return type(tl.standard.max).__name__ == "InterpretedFunction"
+
+
+def _load_kernels(interpret: bool) -> SimpleNamespace:
+    from triton.runtime.jit import JITFunction
+    modules = []
+    for name in TRITON_MODULES:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        compiled = any(isinstance(v, JITFunction) for v in vars(module).values())
+        if compiled == interpret:
+            module = importlib.reload(module)
+        modules.append(module)
+    return SimpleNamespace(attention=modules[0], moe=modules[1])
+
+
+@pytest.fixture
+def triton_interpret(monkeypatch):
+    """Dispatch to Triton on CPU tensors, run by Triton's interpreter (TRITON_INTERPRET=1)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    if not _triton_interpreted():
+        if torch.cuda.is_available():
+            pytest.skip("triton was imported in compiled mode for CUDA; run interpreter tests without CUDA")
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; set it in the environment")
+    kernels = _load_kernels(interpret=True)
+    previous = triton_enabled()
+    set_triton_enabled(True)
+    yield kernels
+    set_triton_enabled(previous)
+
+
+@pytest.fixture
+def triton_cuda(monkeypatch):
+    """Compiled Triton kernels on a CUDA device (automatic dispatch); skipped without CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pytest.importorskip("triton")
+    if _triton_interpreted():
+        pytest.skip("triton was imported in interpreter mode (TRITON_INTERPRET=1)")
+    kernels = _load_kernels(interpret=False)
+    previous = triton_enabled()
+    set_triton_enabled(None)
+    yield kernels
+    set_triton_enabled(previous)

@@ -1,0 +1,335 @@
+"""A real Ray Serve instance running configs/tiny.yaml's application, driven over HTTP.
+
+Ray and the application start once for the module (two engine replicas on CPU, each with one
+thread) and shut down at the end. The official `openai` client does the happy paths; raw `httpx`
+checks status codes, SSE framing, disconnects and backpressure; the Prometheus endpoint of Ray's
+metrics agent is scraped for the exported metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "serve-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_ONGOING, MAX_QUEUED = 2, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _test_args() -> dict:
+    """configs/tiny.yaml's args with the knobs these tests need: two fixed replicas, small queues."""
+    args = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["applications"][0]["args"])
+    args["deployment"] = {"num_replicas": 2, "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED,
+                          "ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 5,
+                          "max_constructor_retry_count": 1, "graceful_shutdown_timeout_s": 5}
+    args.update(api_key=KEY, tracing={"exporter": "memory"}, metrics_interval_s=0.5)
+    return args
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import serve
+
+    from cluster.app import build_app
+
+    http_port, metrics_port = _free_port(), _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000}, logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        t0 = time.time()
+        serve.run(build_app(_test_args()), name="peagle", route_prefix="/")
+        print(f"serve app up in {time.time() - t0:.1f}s")
+        yield {"url": f"http://127.0.0.1:{http_port}", "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _stats(cluster) -> dict:
+    r = httpx.get(cluster["url"] + "/v1/stats", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _wait(pred, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def _idle(cluster) -> dict | None:
+    s = _stats(cluster)
+    ok = s["num_replicas"] == 2 and s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["ongoing"] == 0
+    return s if ok else None
+
+
+# --------------------------------------------------------------------------------------------
+# OpenAI client
+# --------------------------------------------------------------------------------------------
+
+def test_openai_client_chat_completion_and_streaming(client):
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hello"}],
+                                          max_tokens=12, temperature=0)
+    assert chat.object == "chat.completion" and chat.model == "tiny"
+    assert chat.choices[0].message.role == "assistant" and isinstance(chat.choices[0].message.content, str)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert 0 < chat.usage.completion_tokens <= 12 and chat.usage.prompt_tokens > 0
+
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 10 and done.choices[0].finish_reason == "length"
+
+    stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == done.choices[0].text  # streaming changes the framing, not the tokens
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+
+    cstream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hello"}],
+                                             max_tokens=12, temperature=0, stream=True)
+    deltas = list(cstream)
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat.choices[0].message.content
+    assert deltas[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+
+
+def test_models_health_and_raw_sse_framing(cluster, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    h = httpx.get(cluster["url"] + "/health", timeout=30)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    with httpx.stream("POST", cluster["url"] + "/v1/chat/completions", headers=AUTH, timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    blocks = body.strip("\n").split("\n\n")
+    assert all(b.startswith("data: ") for b in blocks) and blocks[-1] == "data: [DONE]"
+    assert json.loads(blocks[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input through the real proxy
+# --------------------------------------------------------------------------------------------
+
+BAD = [
+    ("malformed-json", b'{"prompt": ', AUTH, 400),
+    ("wrong-type", {"prompt": "a", "max_tokens": "ten"}, AUTH, 400),
+    ("out-of-range", {"prompt": "a", "temperature": 9}, AUTH, 400),
+    ("too-long", {"prompt": " ".join(map(str, range(1500)))}, AUTH, 400),
+    ("unknown-model", {"model": "gpt-5", "prompt": "a"}, AUTH, 404),
+    ("missing-key", {"prompt": "a"}, {}, 401),
+    ("body-too-large", {"prompt": "z" * (1024 * 1024 + 1)}, AUTH, 413),
+]
+
+
+@pytest.mark.parametrize("name,body,headers,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_status_and_envelope_over_http(cluster, name, body, headers, status):
+    kw = {"content": body, "headers": headers | {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body, "headers": headers}
+    r = httpx.post(cluster["url"] + "/v1/completions", timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="a")
+    assert "does not exist" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
+
+
+# --------------------------------------------------------------------------------------------
+# Routing, disconnects, backpressure
+# --------------------------------------------------------------------------------------------
+
+def test_two_replicas_both_receive_traffic_under_concurrent_load(cluster):
+    before = {r["replica_id"]: r["served"] for r in _wait(lambda: _idle(cluster), 30, "idle cluster")["replicas"]}
+    assert len(before) == 2
+    n = 2 * MAX_ONGOING  # exactly what both replicas can hold: nothing queues, nothing is refused
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=cluster["url"], headers=AUTH, timeout=120) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 24,
+                                                                         "ignore_eos": True}) for i in range(n)])
+    results = asyncio.run(burst())
+    assert [r.status_code for r in results] == [200] * n
+    assert all(r.json()["usage"]["completion_tokens"] == 24 for r in results)
+
+    def served():
+        s = _stats(cluster)
+        delta = {r["replica_id"]: r["served"] - before.get(r["replica_id"], 0) for r in s["replicas"]}
+        return delta if sum(delta.values()) == n else None
+    delta = _wait(served, 15, "per-replica served counters")
+    # Power of two choices on ongoing requests: with both replicas in the pair, each takes a share.
+    assert len(delta) == 2 and all(v >= 1 for v in delta.values()), delta
+
+
+def test_client_disconnect_mid_stream_frees_kv_blocks(cluster):
+    before = _wait(lambda: _idle(cluster), 30, "idle cluster")
+    aborted_before = sum(r["aborted"] for r in before["replicas"])
+    with httpx.stream("POST", cluster["url"] + "/v1/completions", headers=AUTH, timeout=120,
+                      json={"prompt": "tell me a long story", "max_tokens": 900, "ignore_eos": True,
+                            "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(g.startswith("data: {") for g in got)
+        busy = _wait(lambda: (s := _stats(cluster))["kv_blocks_used"] > 0 and s, 10, "blocks in use while streaming")
+        assert busy["num_running"] == 1
+    # Leaving the `with` closed the connection mid-stream.
+    after = _wait(lambda: _idle(cluster), 15, "the aborted request's KV blocks to be freed")
+    assert after["kv_blocks_used"] == 0 and after["num_running"] == 0
+    assert sum(r["aborted"] for r in after["replicas"]) == aborted_before + 1
+
+
+def test_backpressure_returns_503_envelope_when_queues_are_full(cluster):
+    _wait(lambda: _idle(cluster), 30, "idle cluster")
+    n = 2 * MAX_ONGOING + MAX_QUEUED + 4  # 4 more than the replicas plus the router's queue can hold
+    statuses: list[tuple[int, dict, dict]] = []
+
+    async def one(c, release: asyncio.Event):
+        async with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 900, "ignore_eos": True,
+                                                             "stream": True}) as r:
+            body = json.loads(await r.aread()) if r.status_code != 200 else {}
+            statuses.append((r.status_code, body, dict(r.headers)))
+            if r.status_code == 200:
+                await release.wait()  # hold the stream open (and the replica busy) until told
+
+    async def run():
+        release = asyncio.Event()
+        async with httpx.AsyncClient(base_url=cluster["url"], headers=AUTH, timeout=120) as c:
+            tasks = [asyncio.create_task(one(c, release)) for _ in range(n)]
+            deadline = time.time() + 60
+            # Wait for the running streams and the refusals; the queued requests stay pending.
+            while time.time() < deadline and len(statuses) < n - MAX_QUEUED:
+                await asyncio.sleep(0.1)
+            release.set()
+            for t in tasks:
+                t.cancel()  # disconnect everything still open
+            await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(run())
+    codes = sorted(s for s, _, _ in statuses)
+    assert codes.count(200) == 2 * MAX_ONGOING, codes
+    refused = [(b, h) for s, b, h in statuses if s == 503]
+    assert len(refused) >= n - 2 * MAX_ONGOING - MAX_QUEUED, codes
+    for body, headers in refused:
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == "overloaded"
+        assert headers.get("retry-after") == "1"
+    # Every disconnected stream was aborted: nothing stays allocated.
+    _wait(lambda: _idle(cluster), 30, "KV blocks freed after the disconnects")
+
+
+# --------------------------------------------------------------------------------------------
+# Telemetry
+# --------------------------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r'^(ray_peagle_[a-z_]+)\{([^}]*)\}\s+([0-9.eE+-]+)$')
+
+
+def _scrape(url: str) -> list[tuple[str, dict, float]]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            out.append((m.group(1), labels, float(m.group(3))))
+    return out
+
+
+def test_metrics_are_exported_to_prometheus(cluster, client):
+    client.completions.create(model="tiny", prompt="metrics please", max_tokens=16, extra_body={"ignore_eos": True})
+    for bad in ({"prompt": "a", "temperature": 9}, {"model": "gpt-5", "prompt": "a"}):  # a 400 and a 404
+        httpx.post(cluster["url"] + "/v1/completions", json=bad, headers=AUTH, timeout=30)
+    need = {"ray_peagle_time_to_first_token_seconds_count", "ray_peagle_time_per_output_token_seconds_count",
+            "ray_peagle_e2e_request_latency_seconds_count", "ray_peagle_generation_tokens_total",
+            "ray_peagle_spec_decode_num_drafts_total", "ray_peagle_spec_decode_num_draft_tokens_total",
+            "ray_peagle_spec_decode_num_accepted_tokens_total", "ray_peagle_spec_decode_acceptance_length",
+            "ray_peagle_speculation_depth", "ray_peagle_kv_blocks_used", "ray_peagle_kv_blocks_total",
+            "ray_peagle_requests_running", "ray_peagle_requests_waiting", "ray_peagle_http_requests_total"}
+
+    def ready():
+        samples = _scrape(cluster["metrics"])
+        names = {n for n, _, _ in samples}
+        drafts = sum(v for n, _, v in samples if n == "ray_peagle_spec_decode_num_drafts_total")
+        return samples if need <= names and drafts > 0 else None
+    samples = _wait(ready, 40, "peagle metrics on the Prometheus endpoint", interval=1.0)
+    by = lambda name: [(lab, v) for n, lab, v in samples if n == name]
+    assert {lab["replica"] for lab, _ in by("ray_peagle_kv_blocks_total")} == set(
+        r["replica_id"] for r in _stats(cluster)["replicas"])
+    assert all(v > 0 for _, v in by("ray_peagle_kv_blocks_total"))
+    per_pos = by("ray_peagle_spec_decode_num_accepted_tokens_per_pos_total")
+    accepted = sum(v for _, v in by("ray_peagle_spec_decode_num_accepted_tokens_total"))
+    assert sum(v for _, v in per_pos) == accepted  # per-position counts add up to the total
+    assert all(lab["position"].isdigit() for lab, _ in per_pos)
+    statuses = {lab["status"] for lab, _ in by("ray_peagle_http_requests_total")}
+    assert {"200", "400", "404"} <= statuses
+
+
+def test_stats_endpoint_aggregates_replicas(cluster):
+    s = _stats(cluster)
+    assert s["num_replicas"] == 2 and len(s["replicas"]) == 2
+    spec = s["spec"]
+    assert spec["num_drafts"] > 0
+    assert spec["acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    assert spec["num_drafts"] == sum(r["engine"]["spec"]["num_drafts"] for r in s["replicas"])
+
+
+def test_spans_link_router_replica_and_engine_across_processes(cluster, client):
+    from ray import serve
+
+    done = client.completions.create(model="tiny", prompt="trace", max_tokens=6)
+    router_spans = serve.get_app_handle("peagle").debug_spans.remote().result()
+    router = next(s for s in router_spans
+                  if s["name"] == "router.completion" and s["attributes"].get("gen_ai.request.id") == done.id)
+    engine_handle = serve.get_deployment_handle("EngineReplica", app_name="peagle")
+    replica_spans = {}
+    for _ in range(20):  # calls land on either replica; collect both
+        for s in engine_handle.debug_spans.remote().result():
+            replica_spans[s["span_id"]] = s
+    replica = next(s for s in replica_spans.values()
+                   if s["name"] == "replica.generate" and s["attributes"].get("gen_ai.request.id") == done.id)
+    engine = next(s for s in replica_spans.values() if s["parent_id"] == replica["span_id"])
+    assert replica["trace_id"] == router["trace_id"] == engine["trace_id"]
+    assert replica["parent_id"] == router["span_id"] and engine["name"] == "engine.generate"
+    assert engine["attributes"]["gen_ai.usage.completion_tokens"] == done.usage.completion_tokens
+    assert "peagle.spec.acceptance_length" in engine["attributes"]

@@ -1,0 +1,147 @@
+"""The speculative engine is lossless, batches continuously, preempts safely and frees every block."""
+import random
+
+import pytest
+import torch
+
+from peagle_core import LLM, SamplingParams
+from peagle_core.engine.model_runner import StepResult
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7, 7, 7], list(range(100, 113))]
+
+
+def spec(pair, mode: str, k: int) -> dict:
+    return {"method": "eagle3", "model": pair[mode], "num_speculative_tokens": k, "parallel_drafting": mode == "peagle"}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    llm = LLM(tiny_pair["target"], device="cpu")
+    return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+
+
+def with_oracle_drafts(llm: LLM, reference: dict, corrupt: float, seed: int = 0) -> LLM:
+    """Replace the drafter's proposals with the true greedy continuation, randomly corrupted.
+
+    The drafter still runs every step (shapes, KV writes); only its proposals change, so
+    acceptance exercises every prefix length and rollback while the oracle stays exact.
+    """
+    runner, rng = llm.engine.runner, random.Random(seed)
+    execute = runner.execute
+
+    def patched(batch):
+        res: StepResult = execute(batch)
+        for i, s in enumerate(batch):
+            if not s.samples:
+                continue
+            r = s.req
+            full = r.token_ids[:r.num_computed + s.num_new] + res.tokens[i]
+            ref = list(r.prompt_token_ids) + reference[tuple(r.prompt_token_ids)]
+            nxt = ref[len(full):len(full) + runner.K] + [0] * runner.K
+            res.drafts[i] = [t if rng.random() > corrupt else (t + 1) % 256 for t in nxt[:runner.K]]
+        return res
+
+    runner.execute = patched
+    return llm
+
+
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_speculative_greedy_equals_plain_greedy(tiny_pair, reference, mode, k):
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, mode, k))
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in PROMPTS]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert outs[0].spec_decode_stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_lossless_with_partial_acceptance_joins_and_preemption(tiny_pair, reference, mode, k):
+    """Requests join at different steps, prefill is chunked and blocks are scarce enough to preempt."""
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, mode, k),
+              max_num_batched_tokens=16, num_gpu_blocks=16, block_size=4, max_num_seqs=3, max_model_len=64)
+    with_oracle_drafts(llm, reference, corrupt=0.25, seed=k)
+    eng = llm.engine
+    reqs, pending = {}, list(enumerate(PROMPTS))
+    while pending or eng.has_work():
+        if pending and (eng.num_steps % 2 == 0 or not eng.has_work()):
+            i, p = pending.pop(0)
+            reqs[i] = eng.add_request(f"r{i}", p, GREEDY)
+        eng.step()
+    for i, p in enumerate(PROMPTS):
+        assert reqs[i].output_ids == reference[tuple(p)], f"request {i}"
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.stats.acceptance_length > 1.5
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_plain_greedy_equals_transformers_generate(tiny_pair, reference):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GptOssForCausalLM.from_pretrained(tiny_pair["target"], torch_dtype=torch.float32,
+                                                        attn_implementation="eager")
+    for p in PROMPTS[:3]:
+        out = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out[0, len(p):].tolist() == reference[tuple(p)]
+
+
+def test_blocks_all_free_after_finish_abort_and_preemption(tiny_pair):
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, "peagle", 3),
+              num_gpu_blocks=18, block_size=4, max_num_seqs=4, max_model_len=72)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"a{i}", p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    assert eng.blocks.num_used > 0
+    eng.abort("a1")
+    while eng.has_work():
+        eng.step()
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert eng.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_repeats_and_differs_across_seeds(tiny_pair):
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, "peagle", 3))
+    sp = lambda seed: SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=seed, ignore_eos=True)
+    a = llm.generate(PROMPTS[0], sp(1))[0].outputs[0].token_ids
+    b = llm.generate(PROMPTS[0], sp(1))[0].outputs[0].token_ids
+    c = llm.generate(PROMPTS[0], sp(2))[0].outputs[0].token_ids
+    assert a == b and a != c
+
+
+def test_stop_token_ids_and_max_tokens(tiny_pair, reference):
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, "peagle", 3))
+    ref = reference[tuple(PROMPTS[1])]
+    stop = ref[5]
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]))[0].outputs[0]
+    assert out.token_ids == ref[:ref.index(stop) + 1] and out.finish_reason == "stop"
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ref[:3] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_and_configs(tiny_pair, tmp_path):
+    llm = LLM(tiny_pair["target"], device="cpu", max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([1] * 40, GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([1, 999], GREEDY)
+    with pytest.raises(ValueError, match="unknown key 'speculative_config.bogus'"):
+        LLM(tiny_pair["target"], device="cpu", speculative_config={"model": tiny_pair["peagle"], "bogus": 1})
+    with pytest.raises(ValueError, match="unknown key 'max_num_seq'"):
+        LLM(tiny_pair["target"], device="cpu", max_num_seq=3)
+    from peagle_core.testing import build_drafter, tiny_target_config
+    build_drafter(tmp_path / "wide", tiny_target_config(hidden_size=32, head_dim=8))
+    with pytest.raises(ValueError, match="hidden size"):
+        LLM(tiny_pair["target"], device="cpu", speculative_config={"model": str(tmp_path / "wide"), "parallel_drafting": True})
+    with pytest.raises(ValueError, match="cannot draft in parallel"):
+        LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, "eagle3", 3) | {"parallel_drafting": True})

@@ -1,0 +1,168 @@
+"""Triton paged attention and KV write equal their PyTorch references.
+
+CPU: Triton's interpreter, fp32, atol = rtol = 1e-4 (differences are summation order only).
+GPU (skipped here): compiled kernels in bf16 against the fp32 reference on the same inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernel_utils import triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from kernels.dispatch import use_triton
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    positions: torch.Tensor
+
+    def args(self, sinks, window, scale):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc,
+                self.positions, sinks, window, scale)
+
+
+def make_batch(requests: list[tuple[int, int]], hq: int, hkv: int, d: int, page: int, *, pad_tokens: int = 0,
+               padding_slots: int = 0, device: str = "cpu", dtype=torch.float32, seed: int = 0) -> Batch:
+    """requests: (query tokens, seq_len) each; queries are the last tokens of the sequence.
+
+    Pages are a random permutation (so reads really gather), `padding_slots` query tokens of the
+    last non-empty request are replaced by drafter-style padding at position 0, and `pad_tokens`
+    trailing tokens belong to no request (their output must stay zero).
+    """
+    g = torch.Generator().manual_seed(seed)
+    max_pages = max(-(-L // page) for _, L in requests)
+    num_pages = len(requests) * max_pages + 3
+    perm = torch.randperm(num_pages, generator=g)[: len(requests) * max_pages]
+    block_tables = perm.view(len(requests), max_pages).to(torch.int32)
+    positions = [torch.arange(L - n, L) for n, L in requests]
+    if padding_slots:
+        last = max(i for i, (n, _) in enumerate(requests) if n > 0)
+        positions[last][:padding_slots] = 0  # non-contiguous positions: 0, 0, p, p+1 ...
+    T = sum(n for n, _ in requests)
+    positions = torch.cat(positions + [torch.zeros(pad_tokens, dtype=torch.long)])
+    qsl = torch.tensor([0] + [n for n, _ in requests], dtype=torch.int32).cumsum(0).to(torch.int32)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return Batch(q=rand(T + pad_tokens, hq, d), k_cache=rand(num_pages, page, hkv, d),
+                 v_cache=rand(num_pages, page, hkv, d), block_tables=block_tables.to(device),
+                 seq_lens=torch.tensor([L for _, L in requests], dtype=torch.int32, device=device),
+                 query_start_loc=qsl.to(device), positions=positions.to(device))
+
+
+# A mixed batch: prefill chunk from 0, a prefill chunk continuing a long sequence (crosses the
+# window and several KV tiles), an empty request, a verify query, a decode token, and a drafter
+# request with padding slots at position 0.
+MIXED = [(9, 9), (30, 150), (0, 20), (5, 77), (1, 130), (6, 40)]
+DECODE = [(1, 5), (1, 140), (1, 33), (1, 1)]
+
+CASES = [  # (requests, Hq, Hkv, D, page, window, sinks, splits)
+    pytest.param(MIXED, 8, 2, 16, 16, None, True, None, id="mixed-g4-full-sinks"),
+    pytest.param(MIXED, 6, 2, 32, 32, 8, True, None, id="mixed-g3-window8-sinks"),
+    pytest.param(MIXED, 2, 2, 16, 16, 8, False, None, id="mixed-g1-window8-nosinks"),
+    pytest.param(MIXED, 8, 1, 64, 16, None, False, 3, id="mixed-g8-d64-split3"),
+    pytest.param(DECODE, 8, 1, 64, 32, 8, True, None, id="decode-g8-window8"),
+    pytest.param(DECODE, 4, 2, 32, 16, None, True, 4, id="decode-g2-split4-sinks"),
+    pytest.param(DECODE, 5, 5, 16, 32, 8, True, 2, id="decode-g1-window8-split2"),
+]
+
+
+@pytest.mark.parametrize("requests,hq,hkv,d,page,window,with_sinks,splits", CASES)
+def test_paged_attention_matches_reference(triton_interpret, requests, hq, hkv, d, page, window, with_sinks,
+                                           splits):
+    b = make_batch(requests, hq, hkv, d, page, padding_slots=2, pad_tokens=1)
+    sinks = torch.randn(hq) * 2 if with_sinks else None
+    scale = d ** -0.5
+    ref = paged_attention_ref(*b.args(sinks, window, scale))
+    if splits is None:
+        assert use_triton(b.q)
+        out = paged_attention(*b.args(sinks, window, scale))  # through the dispatcher
+    else:
+        out = triton_interpret.attention.paged_attention_triton(*b.args(sinks, window, scale), num_kv_splits=splits)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **TOL)
+    assert out[-1].abs().max() == 0  # the token outside every request
+
+
+def test_window_and_sinks_change_the_result(triton_interpret):
+    """Guards the oracle: the cases above would not notice a kernel that ignored window or sinks."""
+    b = make_batch(MIXED, 4, 2, 16, 16)
+    full = paged_attention(*b.args(None, None, 0.25))
+    assert not torch.allclose(full, paged_attention(*b.args(None, 8, 0.25)), **TOL)
+    assert not torch.allclose(full, paged_attention(*b.args(torch.ones(4), None, 0.25)), **TOL)
+
+
+def test_paged_attention_all_requests_empty(triton_interpret):
+    b = make_batch([(0, 4), (0, 0)], 4, 2, 16, 16, pad_tokens=3)
+    out = paged_attention(*b.args(torch.zeros(4), 8, 0.25))
+    assert out.shape == (3, 4, 16) and out.abs().max() == 0
+
+
+def test_paged_attention_rejects_bad_shapes(triton_interpret):
+    b = make_batch([(2, 4)], 6, 4, 16, 16)  # 6 query heads over 4 kv heads
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(*b.args(None, None, 0.25))
+    b = make_batch([(2, 4)], 4, 2, 16, 16)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention(*b.args(None, None, 0.25)[:5], b.query_start_loc[:1], b.positions, None, None, 0.25)
+
+
+@pytest.mark.parametrize("hkv,d,page", [(2, 16, 16), (3, 32, 32), (1, 64, 16)])
+def test_write_kv_matches_reference(triton_interpret, hkv, d, page):
+    T, num_pages = 11, 4
+    g = torch.Generator().manual_seed(hkv)
+    # Non-contiguous k/v (a slice of a fused projection) to exercise the strides.
+    kv = torch.randn(T, 2 * hkv, d + 3, generator=g)
+    k, v = kv[:, :hkv, :d], kv[:, hkv:, 1:d + 1]
+    slots = torch.randperm(num_pages * page, generator=g)[:T]
+    slots[[1, 4, 5]] = -1  # padding / rejected tokens
+    caches = [torch.randn(num_pages, page, hkv, d, generator=g) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    write_kv_ref(k, v, *expected, slots)
+    write_kv(k, v, *caches, slots)  # through the dispatcher
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_write_kv_rejects_bad_slot_mapping(triton_interpret):
+    k = torch.randn(3, 2, 16)
+    cache = torch.zeros(2, 16, 2, 16)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(k, k, cache, cache.clone(), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("requests,hq,hkv,d,page,window", [
+    (MIXED, 64, 8, 64, 16, 128), (MIXED, 64, 8, 64, 16, None), (DECODE, 64, 8, 64, 16, None),
+    ([(1, 3000)], 64, 8, 64, 16, None), ([(8, 3000)] * 3, 64, 8, 64, 32, 128)])
+def test_paged_attention_bf16_cuda(triton_cuda, requests, hq, hkv, d, page, window):
+    b = make_batch(requests, hq, hkv, d, page, padding_slots=2, pad_tokens=1, device="cuda", dtype=torch.bfloat16)
+    sinks = torch.randn(hq, device="cuda")
+    args = b.args(sinks, window, d ** -0.5)
+    ref = paged_attention_ref(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
+    out = paged_attention(*args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for splits in (1, 4):
+        forced = triton_cuda.attention.paged_attention_triton(*args, num_kv_splits=splits)
+        torch.testing.assert_close(forced.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_write_kv_bf16_cuda(triton_cuda):
+    k, v = torch.randn(2, 37, 8, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(64 * 16, device="cuda")[:37]
+    slots[::5] = -1
+    caches = [torch.zeros(64, 16, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    write_kv_ref(k, v, *expected, slots)
+    write_kv(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
