@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -43,7 +44,8 @@ class EngineServer:
     def __init__(self, settings: dict[str, Any], replica_id: str | None = None):
         from peagle_core.engine.async_llm import AsyncLLM
 
-        self._closing, self._poller = False, None
+        self._closing = False
+        self._stop_polling = threading.Event()
         self.settings = AppSettings.model_validate(settings)
         setup_tracing(self.settings.tracing.exporter, self.settings.tracing.service_name + "-replica")
         self.replica_id = replica_id or _current_replica_id()
@@ -57,6 +59,7 @@ class EngineServer:
         self.max_chars_per_token = self.settings.max_chars_per_token or _max_chars_per_token(self.llm.tokenizer)
         self.metrics = ReplicaMetrics(self.model_name, self.replica_id)
         self._harmony = supports_harmony(self.llm.tokenizer)
+        threading.Thread(target=self._poll_forever, name="peagle-stats", daemon=True).start()
         self.ongoing = 0
         self.served = 0
         self.aborted = 0
@@ -88,8 +91,7 @@ class EngineServer:
         if getattr(self, "_closing", True) or not hasattr(self, "llm"):
             return
         self._closing = True
-        if self._poller is not None:
-            self._poller.cancel()
+        self._stop_polling.set()
         app = _app_name()
         board = lookup_board(app) if app is not None else None
         if board is not None:
@@ -113,7 +115,6 @@ class EngineServer:
 
     async def stats(self) -> dict[str, Any]:
         """Engine and replica counters (tests and operators read them through a deployment handle)."""
-        self._ensure_poller()
         return {"replica_id": self.replica_id, "model": self.model_name, **self._summary(self.llm.stats()),
                 "metrics": self.metrics.snapshot()}
 
@@ -122,7 +123,6 @@ class EngineServer:
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request. `req` is built by the router (see `cluster.router.engine_request`)."""
-        self._ensure_poller()
         rid = req.get("request_id") or uuid.uuid4().hex
         queue_s = time.time() - req["sent_at"] if req.get("sent_at") else None
         # Spans are started and ended by hand: a `with` block around `yield` would attach the span to
@@ -132,7 +132,7 @@ class EngineServer:
         span.set_attribute("gen_ai.request.id", rid)
         span.set_attribute("gen_ai.request.model", self.model_name)
         if queue_s is not None:
-            span.set_attribute("gen_ai.latency.time_in_queue", max(queue_s, 0.0))
+            span.set_attribute("peagle.latency.time_in_serve_queue", max(queue_s, 0.0))
         try:
             if self._closing:
                 yield _error(503, "This replica is shutting down; retry the request.", code="shutting_down")
@@ -185,8 +185,12 @@ class EngineServer:
                 outcome = "ok"
             except ValueError as e:
                 outcome = "error"
-                if last is not None:  # not input validation: the engine broke mid-request
-                    raise
+                if last is not None:  # not input validation: something broke mid-request
+                    self.errors += 1
+                    log.exception("request %s failed mid-stream", rid)
+                    espan.set_attribute("error.type", "internal_error")
+                    yield _error(500, "Internal error while generating this request.", code="internal_error")
+                    return
                 espan.set_attribute("error.type", "invalid_request")
                 yield _error(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
                 return
@@ -200,6 +204,11 @@ class EngineServer:
                 return
             except EngineError as e:
                 outcome = "error"
+                if self._closing:  # shutdown ended the stream: retryable on another replica
+                    espan.set_attribute("error.type", "shutting_down")
+                    yield _error(503, "The replica shut down before this request finished; retry it.",
+                                 code="shutting_down")
+                    return
                 self.errors += 1
                 espan.set_attribute("error.type", "engine_error")
                 log.error("request %s: engine error: %s", rid, e)
@@ -286,15 +295,14 @@ class EngineServer:
 
     # ------------------------------------------------------------------------------------------
 
-    def _ensure_poller(self) -> None:
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+    def _poll_forever(self) -> None:
+        """Engine stats -> Prometheus gauges/counters and the application's stats board.
 
-    async def _poll_forever(self) -> None:
-        """Engine stats -> Prometheus gauges/counters and the application's stats board."""
+        A thread, not a task: it starts with the replica (no event loop needed yet) and keeps
+        reporting while the event loop is busy streaming."""
         interval = self.settings.metrics_interval_s
         board, app = None, _app_name()
-        while not self._closing:
+        while not self._stop_polling.wait(interval):
             try:
                 stats = self.llm.stats()
                 self.metrics.poll(stats)
@@ -305,7 +313,6 @@ class EngineServer:
             except Exception:
                 board = None  # the board may have moved (router restarted): look it up again next time
                 log.debug("stats poll failed", exc_info=True)
-            await asyncio.sleep(interval)
 
     def _summary(self, engine_stats: dict[str, Any]) -> dict[str, Any]:
         return {"ongoing": self.ongoing, "served": self.served, "aborted": self.aborted, "errors": self.errors,
@@ -353,18 +360,22 @@ def _span_stats(span, out, queue_s: float | None) -> None:
     """vLLM-style `gen_ai.*` latency attributes plus the request's speculation statistics."""
     m = out.metrics or {}
     arrival, first, done = m.get("arrival_time"), m.get("first_token_time"), m.get("finished_time")
+    scheduled = m.get("first_scheduled_time") or arrival
     span.set_attribute("gen_ai.usage.prompt_tokens", len(out.prompt_token_ids or []))
     if m.get("num_generated_tokens") is not None:
         span.set_attribute("gen_ai.usage.completion_tokens", int(m["num_generated_tokens"]))
+    if arrival and scheduled:
+        span.set_attribute("gen_ai.latency.time_in_queue", max(scheduled - arrival, 0.0))  # engine waiting queue
     if arrival and first:
         span.set_attribute("gen_ai.latency.time_to_first_token", max(first - arrival, 0.0))
-        span.set_attribute("gen_ai.latency.time_in_model_prefill", max(first - arrival, 0.0))
+    if scheduled and first:
+        span.set_attribute("gen_ai.latency.time_in_model_prefill", max(first - scheduled, 0.0))
     if first and done:
         span.set_attribute("gen_ai.latency.time_in_model_decode", max(done - first, 0.0))
     if arrival and done:
         span.set_attribute("gen_ai.latency.e2e", max(done - arrival, 0.0))
     if queue_s is not None:
-        span.set_attribute("gen_ai.latency.time_in_queue", max(queue_s, 0.0))
+        span.set_attribute("peagle.latency.time_in_serve_queue", max(queue_s, 0.0))  # router hand-off -> replica
     if out.outputs[0].finish_reason:
         span.set_attribute("gen_ai.response.finish_reasons", [out.outputs[0].finish_reason])
     s = out.spec_decode_stats

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP ingress: parse and check requests, stream engine deltas as SSE.
 
 The FastAPI app is module-level (Serve's `@serve.ingress` needs it at import time); the per-replica
-state lives in a `Frontend` object stored on `api.state`, so the same routes run in Ray Serve
-(`OpenAIRouter`) and in-process under tests (`Frontend` with a local engine).
+state lives in a `Frontend` object installed with `install_frontend`, so the same routes run in Ray
+Serve (`OpenAIRouter`) and in-process under tests (`Frontend` with a local engine).
 
 Order of checks for a completion request, cheapest first: API key (401), body size (413),
 JSON and field types (400), model name (404), sampling ranges (400), prompt characters (400),
@@ -197,10 +197,8 @@ class Frontend:
 
     async def health(self) -> Response:
         try:
-            body = await asyncio.wait_for(_call(self.engine.health), timeout=10)
+            body = await asyncio.wait_for(self.engine.health.remote(), timeout=10)
             return JSONResponse({"status": "ok", **body})
-        except APIError as e:
-            return error_response(e)
         except asyncio.TimeoutError:
             return error_response(APIError(503, "The engine did not answer the health check in time.",
                                            code="unhealthy"))
@@ -247,7 +245,7 @@ class Frontend:
         except APIError as e:
             span.set_attribute("http.status_code", e.status)
             self.metrics.observe(route, e.status)
-            if e.status == 503:
+            if e.code == "overloaded":
                 self.metrics.rejected.inc(1, tags={"model": self.model})
             return error_response(e)
         finally:

@@ -62,6 +62,12 @@ class ReplicaMetrics:
                                     "Draft tokens accepted at each position", tag_keys=keys + ("position",))
         self.preemptions = Counter("peagle_num_preemptions_total", "Requests preempted for KV space", tag_keys=keys)
         self._last: dict[str, Any] = {}
+        self._touched_positions = 0
+        for c in (self.drafts, self.draft_tokens, self.accepted, self.preemptions, self.tokens_out, self.tokens_in):
+            _touch(c, self.tags)
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions",
+                     "generation_tokens_total", "prompt_tokens_total"):
+            self._values[name] = 0.0
 
     # -- mirror -----------------------------------------------------------------------------
     def _set(self, name: str, v: float) -> None:
@@ -125,6 +131,9 @@ class ReplicaMetrics:
                 counter.inc(delta, tags=t)
                 self._add(key, delta)
         per_pos = list(spec.get("num_accepted_tokens_per_pos") or [])
+        for i in range(self._touched_positions, len(per_pos)):
+            _touch(self.accepted_pos, t | {"position": str(i)})
+        self._touched_positions = max(self._touched_positions, len(per_pos))
         last_pos = list(self._last.get("num_accepted_tokens_per_pos") or [])
         for i, v in enumerate(per_pos):
             delta = int(v) - int(last_pos[i] if i < len(last_pos) else 0)
@@ -138,6 +147,15 @@ class ReplicaMetrics:
         # Copies: the engine may hand out its live lists.
         self._last = {k: list(v) if isinstance(v, list) else v for k, v in spec.items()}
         self._last["num_preemptions"] = stats.get("num_preemptions", 0)
+
+
+def _touch(counter: Counter, tags: dict[str, str]) -> None:
+    """Export a counter at 0 before its first increment, so dashboards show 0 rather than "no data"
+    (e.g. accepted tokens of a drafter that has accepted none yet). Ray's public `inc` refuses 0."""
+    try:
+        counter._record(0.0, tags=tags)
+    except Exception:
+        pass
 
 
 class RouterMetrics:

@@ -64,8 +64,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
                      positions: torch.Tensor, sinks: torch.Tensor | None, sliding_window: int | None,
                      scale: float) -> torch.Tensor:
     """Cache-free causal attention within each sequence of a flat batch (training, features)."""
-    out = torch.zeros_like(q)
     qsl = query_start_loc.tolist()
+    lengths = {e - s for s, e in zip(qsl[:-1], qsl[1:])}
+    if len(lengths) == 1 and len(qsl) > 2:  # equal lengths (packed training batches): one batched call
+        n = lengths.pop()
+        fold = lambda t: t.unflatten(0, (-1, n))
+        return attend(fold(q), fold(k), fold(v), fold(positions), fold(positions), sinks, sliding_window,
+                      scale).flatten(0, 1)
+    out = torch.zeros_like(q)
     for s, e in zip(qsl[:-1], qsl[1:]):
         if e > s:
             out[s:e] = attend(q[s:e], k[s:e], v[s:e], positions[s:e], positions[s:e], sinks, sliding_window, scale)
@@ -73,18 +79,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
 
 
 def attend(q, k, v, q_pos, kv_pos, sinks, sliding_window, scale) -> torch.Tensor:
-    """Exact softmax attention with sinks for one sequence: q [n, Hq, D], k/v [L, Hkv, D]."""
-    group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
-    allowed = kv_pos[None, :] <= q_pos[:, None]
+    """Exact softmax attention with sinks: q [..., n, Hq, D], k/v [..., L, Hkv, D] (leading dims batch)."""
+    group = q.shape[-2] // k.shape[-2]
+    kf = k.float().repeat_interleave(group, dim=-2)
+    vf = v.float().repeat_interleave(group, dim=-2)
+    scores = torch.einsum("...nhd,...lhd->...hnl", q.float(), kf) * scale
+    allowed = kv_pos[..., None, :] <= q_pos[..., :, None]
     if sliding_window:
-        allowed &= kv_pos[None, :] > q_pos[:, None] - sliding_window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+        allowed &= kv_pos[..., None, :] > q_pos[..., :, None] - sliding_window
+    scores = scores.masked_fill(~allowed.unsqueeze(-3), float("-inf"))
     if sinks is not None:
-        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        sink = sinks.float()[:, None, None].expand(*scores.shape[:-1], 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hnl,lhd->nhd", probs, vf).to(q.dtype)
+    return torch.einsum("...hnl,...lhd->...nhd", probs, vf).to(q.dtype)

@@ -5,7 +5,8 @@ import os
 
 import torch
 
-_ENABLED: bool | None = None  # None: automatic (Triton on CUDA)
+# None: automatic (Triton on CUDA); PEAGLE_TRITON=0 forces the PyTorch references (training needs autograd).
+_ENABLED: bool | None = {"0": False, "1": True}.get(os.environ.get("PEAGLE_TRITON", ""))
 
 
 def set_triton_enabled(enabled: bool | None) -> None:

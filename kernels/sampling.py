@@ -15,11 +15,19 @@ import torch
 from kernels.dispatch import use_triton
 
 
-def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-                 ) -> torch.Tensor:
-    """softmax(logits / T) restricted to top-k then top-p (per row); rows with T == 0 are left as softmax(logits)."""
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None) -> torch.Tensor:
+    """softmax(logits / T) restricted to top-k then top-p (per row); rows with T == 0 are left as softmax(logits).
+
+    top_k = top_p = None means no row filters (the caller knows it on the host): the same result as
+    top_k = 0, top_p = 1 without the [N, V] sort.
+    """
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     x = logits.float() / t[:, None]
+    if top_k is None and top_p is None:
+        return torch.softmax(x, dim=-1)
+    top_k = torch.zeros_like(t, dtype=torch.long) if top_k is None else top_k
+    top_p = torch.ones_like(t) if top_p is None else top_p
     V = x.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     sorted_x, order = x.sort(dim=-1, descending=True)
@@ -35,13 +43,14 @@ def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, cu_rows: torch.Tensor, temperature: torch.Tensor,
-                     top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor | None,
+                     top_k: torch.Tensor | None, top_p: torch.Tensor | None, uniforms: torch.Tensor | None,
                      exp_noise: torch.Tensor | None, *, max_rows: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (tokens [B, max_rows] padded with -1, num_accepted [B]); request b emits tokens[b, :num_accepted+1].
 
     `max_rows` (>= the most rows of any request; the engine knows it: verify depth + 1) fixes the output
     width without a device-to-host sync; left as None it is read from `cu_rows` (one sync).
+    `top_k = top_p = None`: no request filters (skips the top-k/top-p sort, see `target_probs`).
     """
     if use_triton(logits):
         from kernels.triton_sampling import rejection_sample_triton
@@ -63,7 +72,8 @@ def rejection_sample_ref(logits, draft_ids, cu_rows, temperature, top_k, top_p, 
         accept = has_draft & (argmax == d)
         recovered = argmax
     else:
-        p = target_probs(logits, temperature[row_req], top_k[row_req], top_p[row_req])
+        p = target_probs(logits, temperature[row_req], None if top_k is None else top_k[row_req],
+                         None if top_p is None else top_p[row_req])
         accept_s = has_draft & (uniforms < p.gather(1, d[:, None])[:, 0])
         residual = p.scatter(1, d[:, None], torch.where(has_draft, 0.0, p.gather(1, d[:, None])[:, 0])[:, None])
         sampled = (residual / exp_noise).argmax(-1)

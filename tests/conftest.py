@@ -1,7 +1,16 @@
 """Shared fixtures: tiny random checkpoints built once per session (no downloads)."""
 from __future__ import annotations
 
-import pytest
+import os
+
+# Tiny models on 2 shared cores: intra-op threads only fight each other (and Ray's workers),
+# making small ops 10-40x slower. One thread per process, inherited by spawned servers.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 from peagle_core.testing import build_drafter, build_target, tiny_target_config
 

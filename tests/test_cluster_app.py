@@ -407,7 +407,7 @@ def test_health_reports_a_dead_engine(loop, server, monkeypatch):
     assert_envelope(call(loop, "GET", "/health", headers={}), 503, code="unhealthy")
 
 
-def test_shutdown_ends_in_flight_streams_with_an_error_event(loop):
+def test_shutdown_ends_in_flight_streams_with_an_error_event(loop, server):
     settings = parse_app_args(ARGS | {"api_key": None})
     srv = loop.run(_make_server(settings))
     frontend = Frontend(settings, LocalHandle(srv))
@@ -432,7 +432,7 @@ def test_shutdown_ends_in_flight_streams_with_an_error_event(loop):
     try:
         r, after = loop.run(go())
     finally:
-        install_frontend(Frontend(parse_app_args(ARGS), LocalHandle(srv)))
+        install_frontend(Frontend(parse_app_args(ARGS), LocalHandle(server)))
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
     last = events[-2]
@@ -465,7 +465,8 @@ def test_spans_chain_router_replica_engine_with_latency_and_spec_attributes(loop
     assert a["gen_ai.usage.completion_tokens"] == 12
     assert a["gen_ai.latency.time_to_first_token"] >= 0 and a["gen_ai.latency.time_in_model_decode"] >= 0
     assert a["gen_ai.latency.e2e"] >= a["gen_ai.latency.time_to_first_token"]
-    assert replica["attributes"]["gen_ai.latency.time_in_queue"] >= 0
+    assert replica["attributes"]["peagle.latency.time_in_serve_queue"] >= 0
+    assert a["gen_ai.latency.time_in_queue"] >= 0 and a["gen_ai.latency.time_in_model_prefill"] >= 0
     # P-EAGLE with K=3 drafted: the request's own speculation statistics are on the span.
     assert a["peagle.spec.num_drafts"] > 0
     assert a["peagle.spec.num_draft_tokens"] >= a["peagle.spec.num_drafts"]

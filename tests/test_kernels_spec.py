@@ -217,6 +217,17 @@ def test_rejection_random_mixed(device, greedy_frac):
         _check_rejection(args, max_rows)
 
 
+def test_rejection_without_filters(device):
+    """top_k = top_p = None (no request filters) matches the reference and the explicit 0 / 1 filters."""
+    g = torch.Generator().manual_seed(16)
+    args, max_rows = _verify_batch(g, B=6, V=50, dev=torch.device(device), greedy_frac=0.3)
+    explicit = list(args)
+    explicit[4], explicit[5] = torch.zeros_like(args[4]), torch.ones_like(args[5])
+    args[4] = args[5] = None
+    got = _check_rejection(args, max_rows)
+    _assert_same(got, rejection_sample_ref(*explicit, max_rows=max_rows), ("tokens", "num_accepted"))
+
+
 def test_rejection_all_greedy_without_noise(device):
     g = torch.Generator().manual_seed(11)
     for tie_logits in (False, True):
@@ -226,9 +237,9 @@ def test_rejection_all_greedy_without_noise(device):
 
 
 def test_rejection_ties_large_vocab_and_fp64_noise(device):
-    """Several vocabulary blocks (V > 4096, not a power of two), tied logits, fp64 noise."""
+    """Several vocabulary tiles (V > BLOCK_V_MAX = 16384, not a power of two), tied logits, fp64 noise."""
     g = torch.Generator().manual_seed(12)
-    args, max_rows = _verify_batch(g, B=3, V=5000, dev=torch.device(device), greedy_frac=0.5, tie_logits=True)
+    args, max_rows = _verify_batch(g, B=3, V=20000, dev=torch.device(device), greedy_frac=0.5, tie_logits=True)
     _check_rejection(args, max_rows)
     args, max_rows = _verify_batch(g, B=4, V=300, dev=torch.device(device), noise_dtype=torch.float64)
     _check_rejection(args, max_rows)

@@ -5,7 +5,6 @@ and the sweep run as subprocesses in tests/test_loadtest_locust.py.
 """
 from __future__ import annotations
 
-import gzip
 import json
 from importlib import metadata
 

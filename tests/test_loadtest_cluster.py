@@ -1,7 +1,7 @@
 """End to end: a short headless Locust run against the real tiny cluster (`serve run configs/tiny.yaml`).
 
 The cluster is shared with other cluster tests when conftest provides one (a fixture named
-`tiny_cluster_url`, or `tiny_cluster` giving a URL string, a dict with "url", or an object with `.url`);
+`tiny_cluster_url`, or `tiny_cluster` giving a URL string, a dict with "url" (and "api_key"), or an object with `.url`);
 otherwise this module starts its own copy of configs/tiny.yaml on a free 127.0.0.1 port.
 """
 from __future__ import annotations
@@ -24,20 +24,22 @@ TINY = Path(os.environ.get("PEAGLE_LOADTEST_CONFIG") or REPO / "configs" / "tiny
 pytestmark = pytest.mark.slow
 
 
-def _shared_cluster(request) -> str | None:
+def _shared_cluster(request) -> tuple[str, str] | None:
+    """(url, api key) of a cluster fixture other tests already hold, if conftest offers one."""
     for name in ("tiny_cluster_url", "tiny_cluster"):
         try:
             value = request.getfixturevalue(name)
         except pytest.FixtureLookupError:
             continue
         if isinstance(value, str):
-            url = value
+            url, key = value, ""
         elif isinstance(value, dict):
-            url = value.get("url") or value.get("base_url")
+            url, key = value.get("url") or value.get("base_url"), value.get("api_key") or ""
         else:
             url = getattr(value, "url", None) or getattr(value, "base_url", None)
+            key = getattr(value, "api_key", None) or ""
         if url:
-            return str(url).rstrip("/")
+            return str(url).rstrip("/"), key
     return None
 
 
@@ -49,17 +51,18 @@ def cluster_url(request, tmp_path_factory):
         return
     if not TINY.exists():
         pytest.skip(f"{TINY} is not there yet")
-    d = tmp_path_factory.mktemp("tiny_cluster")
     cfg = launch.load_serve_config(TINY)
+    d = tmp_path_factory.mktemp("tiny_cluster")
     port = sweep.free_port()
     path = launch.write_mode_config(cfg, launch.base_speculative_config(cfg), d / "tiny.yaml", port=port)
     url = f"http://127.0.0.1:{port}"
     with launch.ServeProcess(["serve", "run", str(path)], url, d / "serve.log", startup_timeout_s=300,
                              stop_timeout_s=60, cwd=REPO):
-        yield url
+        yield url, ""
 
 
 def test_headless_locust_run_against_tiny_cluster(cluster_url, tmp_path):
+    url, api_key = cluster_url
     workload = "mtbench"
     try:
         from loadtest.workloads import dataset_file
@@ -68,12 +71,12 @@ def test_headless_locust_run_against_tiny_cluster(cluster_url, tmp_path):
     except RuntimeError:
         workload = "synthetic"
     cmd = [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless",
-           "--only-summary", "-u", "2", "-r", "2", "-t", "15s", "--stop-timeout", "60", "--host", cluster_url,
+           "--only-summary", "-u", "2", "-r", "2", "-t", "15s", "--stop-timeout", "60", "--host", url,
            "--csv", str(tmp_path / "run"), "--json-file", str(tmp_path / "final"),
            "--records-file", str(tmp_path / "records.jsonl"), "--workload", workload, "--max-tokens", "32",
            "--temperature", "0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env={**os.environ, "PYTHONPATH": str(REPO), "PEAGLE_API_KEY": api_key})
     assert r.returncode == 0, r.stderr[-4000:]
 
     recs = read_records(tmp_path / "records.jsonl")

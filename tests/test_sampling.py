@@ -233,3 +233,13 @@ def test_target_probs_top_p_one_keeps_the_whole_vocabulary():
     p = target_probs(logits, torch.ones(4), torch.zeros(4, dtype=torch.long), torch.ones(4))
     assert (p > 0).all()
     torch.testing.assert_close(p, torch.softmax(logits, -1))
+
+
+def test_target_probs_without_filters_is_the_unfiltered_result_bit_for_bit():
+    """top_k = top_p = None (no sort) equals top_k = 0, top_p = 1 exactly, so callers may pick either."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(32, 1000, generator=g) * 3
+    temperature = torch.rand(32, generator=g) + 0.1
+    temperature[::4] = 0.0
+    unfiltered = target_probs(logits, temperature, torch.zeros(32, dtype=torch.long), torch.ones(32))
+    assert torch.equal(target_probs(logits, temperature, None, None), unfiltered)

@@ -116,3 +116,15 @@ def test_bad_checkpoints_fail_with_one_clear_line(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(CheckpointError, match="missing config.json"):
         load_target(tmp_path, torch.float32, "cpu")
+
+
+def test_batched_equal_length_forward_equals_one_by_one(tmp_path):
+    cfg = tiny_target_config()
+    build_target(tmp_path, cfg, seed=2)
+    model = load_target(tmp_path, torch.float32, "cpu")
+    a, b = torch.arange(20), torch.arange(50, 70)
+    with torch.no_grad():
+        both, _ = model(torch.cat([a, b]), ForwardMeta.for_sequences([20, 20]))
+        one, _ = model(a, ForwardMeta.for_sequences([20]))
+        two, _ = model(b, ForwardMeta.for_sequences([20]))
+    assert torch.allclose(both, torch.cat([one, two]), atol=1e-5)

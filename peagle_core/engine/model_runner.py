@@ -113,12 +113,13 @@ class ModelRunner:
         logits = self.target.compute_logits(hidden[rows_t]).float()
         params = [batch[i].req.params for i in sampling]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        filtered = any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev) if filtered else None
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev) if filtered else None
         uniforms, noise = self._noise([batch[i] for i in sampling], cu, logits.shape[1])
         sampled, accepted = rejection_sample(logits, torch.tensor(draft_ids, dtype=torch.long, device=dev),
                                              torch.tensor(cu, dtype=torch.long, device=dev), temperature, top_k,
-                                             top_p, uniforms, noise)
+                                             top_p, uniforms, noise, max_rows=self.K + 1)
         idx = torch.tensor(sampling, dtype=torch.long, device=dev)
         tokens[idx, :sampled.shape[1]] = sampled
         num_accepted[idx] = accepted

@@ -229,8 +229,9 @@ def load_drafter(path: Path, target: GptOss, dtype: torch.dtype, device: torch.d
     return model
 
 
-def save_drafter(model: Drafter, path: Path) -> None:
-    tensors = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+def save_drafter(model: Drafter, path: Path, exclude: tuple[str, ...] = ()) -> None:
+    """Write the head; `exclude` drops tensors shared with the target (loaders take the target's)."""
+    tensors = {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in exclude}
     _write(tensors, path, model.config.to_hf() | {"eagle_config": {
         "use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": model.config.aux_layer_ids}}, None)
 

@@ -68,7 +68,7 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
     rows = []
     for P in partitions:
         drafter = copy.deepcopy(base)
-        times, loss, stats = [], 0.0, None
+        times, cpu, loss, stats = [], [], 0.0, None
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -77,7 +77,7 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
             exact = _reset_peak()
             start_mem = _status_kb("VmRSS") * 1024
         for _ in range(steps + 1):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if autocast:
                 with autocast:
                     loss, stats = peagle_sequence_backward(drafter, feats, anchor, depth, masks,
@@ -89,6 +89,7 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         if dev.type == "cuda":
             peak = torch.cuda.max_memory_allocated() - start_mem
         else:
@@ -97,18 +98,21 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
         h = drafter.config.num_attention_heads
         rows.append({"P": P, "len": n, "elements": len(anchor), "largest_pass_tokens": T,
                      "attn_scores_mb": h * T * T * 4 / 2**20, "peak_mem_mb": peak / 2**20,
-                     "time_per_step_s": sum(times[1:]) / max(1, len(times) - 1), "loss": loss,
+                     "time_per_step_s": sum(times[1:]) / max(1, len(times) - 1),
+                     "cpu_time_per_step_s": sum(cpu[1:]) / max(1, len(cpu) - 1), "loss": loss,
                      "device": str(dev), "dtype": dtype})
         del drafter
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| P | tokens | elements | largest pass (tokens) | attention scores (MB) | peak memory (MB) | time/step (s) | loss |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = ("| P | tokens | elements | largest pass (tokens) | attention scores (MB) | peak memory (MB) "
+            "| wall time/step (s) | CPU time/step (s) | loss |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['P']} | {r['len']} | {r['elements']} | {r['largest_pass_tokens']} | "
-                     f"{r['attn_scores_mb']:.0f} | {r['peak_mem_mb']:.0f} | {r['time_per_step_s']:.2f} | {r['loss']:.6f} |")
+                     f"{r['attn_scores_mb']:.0f} | {r['peak_mem_mb']:.0f} | {r['time_per_step_s']:.2f} | "
+                     f"{r['cpu_time_per_step_s']:.2f} | {r['loss']:.6f} |")
     return "\n".join(lines)
 
 

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cod-ratio-min", type=float, default=0.2, help="COD floor r_min")
     m.add_argument("--sequence-partitions", type=int, default=1, help="P-EAGLE: passes per sequence (memory / P^2)")
     m.add_argument("--loss", choices=["kl", "ce"], default="kl", help="KL(target||draft) or CE vs target argmax")
+    m.add_argument("--share-target-embeddings", action="store_true",
+                   help="keep the embedding and LM head frozen at the target's and leave them out of the "
+                        "checkpoint (smaller heads; loaders share the target's)")
     m.add_argument("--eagle3-feed", choices=["target", "draft"], default="target",
                    help="EAGLE-3: token fed to the next unrolled step (target greedy token or own draft)")
 
@@ -146,7 +149,7 @@ def train_from_args(args: argparse.Namespace) -> dict:
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       cod_ratio=args.cod_ratio, cod_ratio_min=args.cod_ratio_min,
                       sequence_partitions=args.sequence_partitions, loss=args.loss, feed=args.eagle3_feed,
-                      seed=args.seed, dtype=dtype)
+                      seed=args.seed, dtype=dtype, share_target_embeddings=args.share_target_embeddings)
     trainer = Trainer(target, drafter, examples, cfg, max_len=args.max_len)
     records = trainer.train(args.log_jsonl, progress=not args.no_progress, out=args.out, save_every=args.save_every)
     last = records[-1]

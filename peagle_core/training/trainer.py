@@ -51,6 +51,7 @@ class TrainConfig:
     feed: Literal["target", "draft"] = "target"  # EAGLE-3 fed-back token
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
+    share_target_embeddings: bool = False  # freeze embed/LM head at the target's and omit them on save
 
     def __post_init__(self) -> None:
         if self.method not in ("peagle", "eagle3"):
@@ -130,10 +131,13 @@ def check_drafter(drafter: Drafter, target: GptOss, method: str) -> None:
                          "was given to --init)")
 
 
-def save_head(drafter: Drafter, path: Path, dtype: torch.dtype) -> None:
-    """Write the head in the published layout, in the training dtype (bf16 like released heads)."""
+def save_head(drafter: Drafter, path: Path, dtype: torch.dtype, shared: bool = False) -> None:
+    """Write the head in the published layout, in the training dtype (bf16 like released heads).
+
+    With `shared`, the embedding and LM head (frozen copies of the target's) are left out, as in
+    heads that vLLM serves by sharing the target's."""
     head = drafter if dtype == torch.float32 else copy.deepcopy(drafter).to(dtype)
-    save_drafter(head, Path(path))
+    save_drafter(head, Path(path), exclude=("embed_tokens.weight", "lm_head.weight") if shared else ())
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,6 +169,9 @@ class Trainer:
         self.aux_layer_ids = drafter.config.resolved_aux_layer_ids(target.config.num_hidden_layers)
         target.requires_grad_(False).eval()
         drafter.requires_grad_(True).train()
+        if cfg.share_target_embeddings:  # frozen copies of the target's: the saved head omits them
+            drafter.embed_tokens.requires_grad_(False)
+            drafter.lm_head.requires_grad_(False)
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -234,12 +241,13 @@ class Trainer:
                                 tok_s=f"{rec['tokens_per_s']:.0f}")
                 bar.update(1)
                 if out and save_every and self.step_num % save_every == 0 and self.step_num < self.cfg.steps:
-                    save_head(self.drafter, Path(out) / f"checkpoint-{self.step_num}", DTYPES[self.cfg.dtype])
+                    save_head(self.drafter, Path(out) / f"checkpoint-{self.step_num}", DTYPES[self.cfg.dtype],
+                              self.cfg.share_target_embeddings)
             bar.close()
         finally:
             if log:
                 log.close()
         if out:
-            save_head(self.drafter, Path(out), DTYPES[self.cfg.dtype])
+            save_head(self.drafter, Path(out), DTYPES[self.cfg.dtype], self.cfg.share_target_embeddings)
             (Path(out) / "training_args.json").write_text(json.dumps(asdict(self.cfg), indent=2))
         return records

@@ -1,0 +1,65 @@
+"""Prepare everything the GPU run of train_pair.py reads, offline, from packages on this machine.
+
+Writes data/tiny_tokens.pt (the tokenized corpus), data/regen_prompts.jsonl (prompts whose answers
+the target regenerates for drafter training) and data/heldout.json (MT-Bench questions and
+HumanEval prompts, used only for evaluation).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def corpus_module():
+    spec = importlib.util.spec_from_file_location("tiny_corpus", ROOT / "scripts/tiny/corpus.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="data")
+    ap.add_argument("--corpus", default="data/tiny_corpus.jsonl")
+    ap.add_argument("--num-prompts", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = Path(args.corpus)
+    if not corpus.exists():
+        subprocess.run([sys.executable, "scripts/tiny/corpus.py", "--out", str(corpus)], check=True, cwd=ROOT)
+    if not (out / "tiny_tokens.pt").exists():
+        subprocess.run([sys.executable, "scripts/tiny/tokenize_corpus.py", "--corpus", str(corpus),
+                        "--out", str(out / "tiny_tokens.pt")], check=True, cwd=ROOT)
+    rng = random.Random(args.seed)
+    prompts = []
+    for line in corpus.open():
+        doc = json.loads(line)
+        if "messages" in doc:
+            first = next((m for m in doc["messages"] if m["role"] == "user"), None)
+            if first and 8 < len(first["content"]) < 2000:
+                prompts.append({"messages": [{"role": "user", "content": first["content"]}]})
+        else:
+            start = rng.randrange(0, max(1, len(doc["text"]) - 400))
+            prompts.append({"text": doc["text"][start:start + 300]})
+    rng.shuffle(prompts)
+    with (out / "regen_prompts.jsonl").open("w") as f:
+        for p in prompts[:args.num_prompts]:
+            f.write(json.dumps(p) + "\n")
+    mod = corpus_module()
+    heldout = {"mtbench": mod.load_heldout("mtbench"), "humaneval": mod.load_heldout("humaneval")}
+    (out / "heldout.json").write_text(json.dumps(heldout))
+    print({k: len(v) for k, v in heldout.items()}, len(prompts[:args.num_prompts]), "regeneration prompts")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Train the shipped tiny pair end to end on one GPU: target, then P-EAGLE and EAGLE-3 heads.
+
+    python scripts/tiny/prepare_data.py            # on any machine: corpus tokens, prompts, held-out sets
+    python scripts/tiny/train_pair.py --out out/tiny --pretrain-minutes 4
+
+Steps: (1) pretrain the target (scripts/tiny/pretrain.py); (2) regenerate responses to corpus
+prompts with the target itself through our engine (the paper trains drafters on target outputs);
+(3) train both heads with `peagle train`; (4) measure acceptance on the held-out MT-Bench and
+HumanEval prompts. Every step logs; the result is a directory ready for peagle_core/assets/tiny.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(cmd: list[str]) -> float:
+    t0 = time.time()
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return time.time() - t0
+
+
+def regenerate(target: Path, prompts_file: Path, out: Path, max_tokens: int, limit: int) -> dict:
+    """Target-generated responses: {"input_ids", "loss_mask"} records for `peagle train`."""
+    from peagle_core import LLM, SamplingParams
+
+    llm = LLM(str(target), max_num_seqs=128, max_model_len=1024)
+    recs = [json.loads(line) for line in prompts_file.open()][:limit]
+    prompts = [llm.tokenizer.apply_chat_template(r["messages"]) if "messages" in r else r["text"] for r in recs]
+    prompt_ids = [llm.tokenizer.encode(p)[-640:] for p in prompts]
+    t0 = time.time()
+    outs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    n_tok = 0
+    with out.open("w") as f:
+        for p, o in zip(prompt_ids, outs):
+            resp = o.outputs[0].token_ids
+            n_tok += len(resp)
+            f.write(json.dumps({"input_ids": p + resp, "loss_mask": [0] * len(p) + [1] * len(resp)}) + "\n")
+    return {"records": len(outs), "generated_tokens": n_tok, "seconds": time.time() - t0}
+
+
+def evaluate(target: Path, heads: dict[str, Path], heldout: dict[str, list[str]], max_tokens: int) -> dict:
+    """Acceptance length and per-position acceptance on held-out prompts (greedy), plus losslessness."""
+    from peagle_core import LLM, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    base = LLM(str(target), max_num_seqs=128, max_model_len=1024)
+    prompts = {name: [base.tokenizer.apply_chat_template([{"role": "user", "content": q}]) if name == "mtbench" else q
+                      for q in qs] for name, qs in heldout.items()}
+    plain = {name: [o.outputs[0].token_ids for o in base.generate(ps, sp)] for name, ps in prompts.items()}
+    results = []
+    for method, head in heads.items():
+        for k in (3, 5, 7):
+            llm = LLM(str(target), max_num_seqs=128, max_model_len=1024, speculative_config={
+                "method": "eagle3", "model": str(head), "num_speculative_tokens": k,
+                "parallel_drafting": method == "peagle"})
+            for name, ps in prompts.items():
+                outs = llm.generate(ps, sp)
+                stats = llm.engine.stats
+                same = sum(o.outputs[0].token_ids == ref for o, ref in zip(outs, plain[name]))
+                per_pos = [a / stats.num_drafts for a in stats.num_accepted_tokens_per_pos] if stats.num_drafts else []
+                results.append({"dataset": name, "method": method, "k": k, "prompts": len(ps),
+                                "acceptance_length": stats.acceptance_length, "per_position_acceptance": per_pos,
+                                "identical_to_plain": same})
+                print(json.dumps(results[-1]), flush=True)
+                llm.engine.stats = type(stats)()
+    return {"results": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data", help="folder written by prepare_data.py")
+    ap.add_argument("--out", default="out/tiny")
+    ap.add_argument("--pretrain-minutes", type=float, default=4.0)
+    ap.add_argument("--regen-prompts", type=int, default=2048)
+    ap.add_argument("--regen-tokens", type=int, default=192)
+    ap.add_argument("--head-steps", type=int, default=600)
+    ap.add_argument("--eval-tokens", type=int, default=128)
+    args = ap.parse_args()
+    data, out = Path(args.data), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    py = sys.executable
+    report["pretrain_s"] = run([py, "scripts/tiny/pretrain.py", "--tokens", str(data / "tiny_tokens.pt"),
+                                "--out", str(out / "target"), "--minutes", str(args.pretrain_minutes)])
+    report["regenerate"] = regenerate(out / "target", data / "regen_prompts.jsonl", out / "regen.jsonl",
+                                      args.regen_tokens, args.regen_prompts)
+    heads = {"peagle": out / "peagle", "eagle3": out / "eagle3"}
+    common = ["--target", str(out / "target"), "--data", str(out / "regen.jsonl"), "--steps", str(args.head_steps),
+              "--batch-size", "16", "--max-len", "896", "--lr", "1e-3", "--warmup-ratio", "0.05",
+              "--aux-layers", "1,3,5", "--intermediate-size", "768", "--share-target-embeddings", "--no-progress"]
+    report["peagle_train_s"] = run([py, "-m", "peagle_core.training.cli", "train", *common, "--method", "peagle",
+                                    "--num-depths", "8", "--layers", "2", "--mask-token-id", "9",
+                                    "--out", str(heads["peagle"]), "--log-jsonl", str(out / "peagle_train.jsonl")])
+    report["eagle3_train_s"] = run([py, "-m", "peagle_core.training.cli", "train", *common, "--method", "eagle3",
+                                    "--num-depths", "5", "--layers", "1",
+                                    "--out", str(heads["eagle3"]), "--log-jsonl", str(out / "eagle3_train.jsonl")])
+    heldout = json.loads((data / "heldout.json").read_text())
+    report["eval"] = evaluate(out / "target", heads, heldout, args.eval_tokens)
+    (out / "train_report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "eval"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+"""Drafter training: COD sampling, the P-EAGLE mask, sequence partitioning, objectives vs inference, data, CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from peagle_core.loading.checkpoint import load_drafter, load_target
+from peagle_core.models.layers import ForwardMeta
+from peagle_core.testing import build_target, tiny_target_config
+from peagle_core.training.data import Example, greedy_generate, load_examples, read_jsonl, regenerate, render_chat
+from peagle_core.training.eagle3 import eagle3_unroll
+from peagle_core.training.features import extract_features
+from peagle_core.training.losses import element_loss
+from peagle_core.training.peagle import (PeagleMask, assign_segments, cod_counts, cod_sample, peagle_forward,
+                                         peagle_sequence_backward, segment_elements, supervised_count)
+from peagle_core.training.trainer import TrainConfig, Trainer, init_drafter
+
+MASK_ID = 253
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is faster and does not fight other test processes for the 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train_target")
+    build_target(d, tiny_target_config(), seed=0, scale=4.0)
+    return d
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_target(target_dir, torch.float32, "cpu")
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 250, (n,), generator=g).tolist()
+
+
+def rule(qa: int, qd: int, ka: int, kd: int) -> bool:
+    """The mask rule written out independently of the implementation."""
+    if kd == 0:
+        return ka <= qa
+    return ka == qa and kd <= qd
+
+
+# --------------------------------------------------------------------------------------------
+# mask
+# --------------------------------------------------------------------------------------------
+
+
+def test_mask_hand_example():
+    # slots 0,1,2 at depth 0, then (0,1) and (1,1)
+    anchor, depth = torch.tensor([0, 1, 2, 0, 1]), torch.tensor([0, 0, 0, 1, 1])
+    expect = torch.tensor([[1, 0, 0, 0, 0],
+                           [1, 1, 0, 0, 0],
+                           [1, 1, 1, 0, 0],
+                           [1, 0, 0, 1, 0],
+                           [1, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(PeagleMask(8)(anchor, depth), expect)
+
+
+@pytest.mark.parametrize("n,K,r,r_min", [(1, 3, 0.8, 0.2), (2, 4, 1.0, 0.2), (7, 3, 0.8, 0.2), (12, 5, 0.6, 0.3),
+                                         (20, 8, 0.8, 0.2), (9, 6, 1.0, 1.0)])
+def test_mask_equals_direct_rule(n, K, r, r_min):
+    g = torch.Generator().manual_seed(n * 10 + K)
+    anchor, depth = cod_sample(n, K, r, r_min, g)
+    masks = PeagleMask(4)  # smaller than n on purpose: the table grows once
+    got = masks(anchor, depth)
+    a, d = anchor.tolist(), depth.tolist()
+    direct = torch.tensor([[rule(a[i], d[i], a[j], d[j]) for j in range(len(a))] for i in range(len(a))])
+    assert torch.equal(got, direct)
+    # a segment's forward (depth-0 prefix + owned elements) is sliced by the same table
+    seg = assign_segments(anchor, depth, n, 3)
+    idx, _ = segment_elements(depth, seg, 1)
+    assert torch.equal(masks(anchor[idx], depth[idx]), direct[idx][:, idx])
+
+
+def test_mask_rejects_non_depth_major_layout():
+    with pytest.raises(ValueError, match="depth-major"):
+        PeagleMask(4)(torch.tensor([1, 0]), torch.tensor([0, 0]))
+
+
+# --------------------------------------------------------------------------------------------
+# COD sampling
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [30, 100, 257])
+def test_cod_keeps_documented_counts(n):
+    K, r, r_min = 8, 0.8, 0.2
+    anchor, depth = cod_sample(n, K, r, r_min, torch.Generator().manual_seed(n))
+    counts = torch.bincount(depth, minlength=K).tolist()
+    assert counts == [n] + [int((n - d) * max(r ** d, r_min)) for d in range(1, K)]
+    assert counts == cod_counts(n, K, r, r_min)
+    keys = set(zip(anchor.tolist(), depth.tolist()))
+    assert len(keys) == len(anchor)                                  # no duplicates
+    for a, d in keys:
+        assert 0 <= a and a + d < n                                  # target distribution exists
+        assert d == 0 or (a, d - 1) in keys                          # the whole chain is kept
+    for d in range(K):                                               # sorted anchors within a depth
+        a = anchor[depth == d]
+        assert torch.equal(a, a.sort().values)
+    assert torch.equal(anchor[:n], torch.arange(n)) and not depth[:n].any()
+
+
+def test_cod_is_seeded_random_and_respects_loss_mask():
+    n, K = 60, 4
+    s1 = cod_sample(n, K, 0.7, 0.2, torch.Generator().manual_seed(1))
+    s1b = cod_sample(n, K, 0.7, 0.2, torch.Generator().manual_seed(1))
+    s2 = cod_sample(n, K, 0.7, 0.2, torch.Generator().manual_seed(2))
+    assert all(torch.equal(x, y) for x, y in zip(s1, s1b))
+    assert not torch.equal(s1[0], s2[0])
+    valid = torch.zeros(n, dtype=torch.bool)
+    valid[20:50] = True  # e.g. an assistant turn
+    anchor, depth = cod_sample(n, K, 0.7, 0.2, torch.Generator().manual_seed(3), valid)
+    deep = depth > 0
+    assert valid[(anchor + depth)[deep]].all()
+    m = int(valid.sum())
+    assert torch.bincount(depth, minlength=K).tolist()[1:] == [int((m - d) * 0.7 ** d) for d in range(1, K)]
+
+
+def test_cod_floor_is_capped_by_the_candidate_pool():
+    # r = r_min = 0.3 holds the ratio flat, so a depth may want as many elements as its parent depth
+    # has; when the parent holds the last slot, its shifted copy falls off the end and the pool is smaller
+    n, K = 10, 5
+    capped = 0
+    for seed in range(20):
+        anchor, depth = cod_sample(n, K, 0.3, 0.3, torch.Generator().manual_seed(seed))
+        for d in range(1, K):
+            pool = {r + 1 for r in (anchor + depth)[depth == d - 1].tolist() if r + 1 < n}
+            want = int((n - d) * 0.3)
+            assert int((depth == d).sum()) == min(want, len(pool))
+            capped += len(pool) < want
+    assert capped > 0
+
+
+def test_cod_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="ratio"):
+        cod_sample(5, 3, 1.5, 0.2, torch.Generator())
+    with pytest.raises(ValueError, match="at least one slot"):
+        cod_sample(0, 3, 0.8, 0.2, torch.Generator())
+
+
+# --------------------------------------------------------------------------------------------
+# sequence partitioning
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 5])
+def test_segments_partition_elements_and_keep_every_dependency(S):
+    n = 23
+    anchor, depth = cod_sample(n, 6, 0.8, 0.2, torch.Generator().manual_seed(S))
+    seg = assign_segments(anchor, depth, n, S)
+    owned_total = torch.zeros(len(anchor), dtype=torch.long)
+    a, d = anchor.tolist(), depth.tolist()
+    for s in range(S):
+        idx, owned = segment_elements(depth, seg, s)
+        owned_total[idx[owned]] += 1
+        inside = set(idx.tolist())
+        n0 = int((depth[idx] == 0).sum())
+        assert torch.equal(anchor[idx[:n0]], torch.arange(n0))      # depth-0 prefix stays contiguous
+        for q in idx[owned].tolist():
+            needed = {k for k in range(len(a)) if rule(a[q], d[q], a[k], d[k])}
+            assert needed <= inside, f"segment {s} misses a dependency of element {q}"
+    assert torch.equal(owned_total, torch.ones_like(owned_total))  # every element charged exactly once
+
+
+def make_drafter(target, method="peagle", layers=2, seed=1):
+    return init_drafter(target, method, layers, seed, AUX, MASK_ID if method == "peagle" else None, 128)
+
+
+def test_partitioned_loss_and_gradients_equal_single_pass(target):
+    feats = extract_features(target, [Example(random_ids(48, 0), [True] * 48)], AUX, "cpu")[0]
+    anchor, depth = cod_sample(feats.n - 1, 5, 0.8, 0.2, torch.Generator().manual_seed(0))
+    denom = supervised_count(feats, anchor, depth)
+    base = make_drafter(target)
+    results = {}
+    for P in (1, 2, 4):
+        drafter = make_drafter(target)
+        drafter.load_state_dict(base.state_dict())
+        loss, stats = peagle_sequence_backward(drafter, feats, anchor, depth, PeagleMask(64), MASK_ID, 5, denom, P)
+        grads = {k: p.grad.clone() for k, p in drafter.named_parameters()}
+        results[P] = (loss, grads, stats.max_attn_tokens, stats.count)
+    loss1, grads1, tok1, count1 = results[1]
+    assert sum(count1) == denom
+    for P in (2, 4):
+        loss, grads, tok, count = results[P]
+        assert abs(loss - loss1) / loss1 <= 1e-4
+        assert count == count1
+        for k in grads1:
+            torch.testing.assert_close(grads[k], grads1[k], rtol=1e-4, atol=1e-6, msg=f"grad {k} (P={P})")
+    assert tok1 == len(anchor) > results[2][2] > results[4][2]          # the largest pass shrinks with P
+    # the loss is the count-normalised KL(target || draft), computed here the long way
+    drafter = make_drafter(target)
+    drafter.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        normed = peagle_forward(drafter, feats, anchor, depth, PeagleMask(64), MASK_ID)
+        logq = torch.log_softmax(drafter.compute_logits(normed), -1)
+        p = torch.softmax(target.compute_logits(feats.hidden[anchor + depth + 1]), -1)
+        kl = (p * (p.log() - logq)).sum(-1).mean().item()
+    assert abs(kl - loss1) / kl <= 1e-4
+
+
+def test_trainer_same_loss_every_step_for_p1_and_p4(target):
+    examples = [Example(random_ids(40 + 3 * i, i), [True] * (40 + 3 * i)) for i in range(4)]
+    losses = {}
+    for P in (1, 4):
+        cfg = TrainConfig(method="peagle", num_depths=4, steps=4, batch_size=2, lr=1e-3, sequence_partitions=P, seed=7)
+        tr = Trainer(target, make_drafter(target), examples, cfg)
+        losses[P] = [tr.step()["loss"] for _ in range(4)]
+    for a, b in zip(losses[1], losses[4]):
+        assert abs(a - b) / a <= 1e-4, losses
+
+
+# --------------------------------------------------------------------------------------------
+# the objectives compute exactly what the engine computes at inference
+# --------------------------------------------------------------------------------------------
+
+
+def causal_run(drafter, ids, hidden):
+    """Plain causal drafter pass over one sequence at positions 0..T-1 (how the engine's cache sees it)."""
+    meta = ForwardMeta.for_sequences([len(ids)])
+    return drafter(torch.tensor(ids) if not torch.is_tensor(ids) else ids, hidden, meta)
+
+
+def test_peagle_elements_equal_one_engine_style_parallel_pass(target):
+    n, K = 20, 4
+    feats = extract_features(target, [Example(random_ids(n, 3), [True] * n)], AUX, "cpu")[0]
+    drafter = make_drafter(target)
+    anchor, depth = cod_sample(n - 1, K, 1.0, 1.0, torch.Generator())  # the full grid
+    with torch.no_grad():
+        logits = drafter.compute_logits(peagle_forward(drafter, feats, anchor, depth, PeagleMask(32), MASK_ID))
+        real = drafter.combine(feats.aux)
+        for a in (0, 5, 14):
+            # context slots 0..a-1, the bonus slot a, then K-1 MASK slots with the shared hidden state
+            ids = feats.input_ids[1:a + 2].tolist() + [MASK_ID] * (K - 1)
+            hidden = torch.cat([real[:a + 1], drafter.shared_hidden().expand(K - 1, -1)])
+            normed, _ = causal_run(drafter, ids, hidden)
+            ref = drafter.compute_logits(normed[a:])
+            for d in range(K):
+                i = int(((anchor == a) & (depth == d)).nonzero())
+                torch.testing.assert_close(logits[i], ref[d], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("feed", ["target", "draft"])
+def test_eagle3_unroll_equals_sequential_drafting(target, feed):
+    n, K = 18, 3
+    feats = extract_features(target, [Example(random_ids(n, 4), [True] * n)], AUX, "cpu")[0]
+    drafter = make_drafter(target, "eagle3", layers=2)
+    anchor, depth = cod_sample(n - 1, K, 1.0, 1.0, torch.Generator())
+    with torch.no_grad():
+        steps = {j: (new, lg) for j, new, lg in eagle3_unroll(drafter, feats, anchor, depth, PeagleMask(32), feed)}
+        real = drafter.combine(feats.aux)
+        for a in (0, 6, 13):
+            ids = feats.input_ids[1:a + 2].tolist()
+            hidden = real[:a + 1]
+            for j in range(K):
+                normed, prenorm = causal_run(drafter, ids, hidden)
+                ref = drafter.compute_logits(normed[-1])
+                new, lg = steps[j]
+                i = int(((anchor[new] == a)).nonzero())
+                torch.testing.assert_close(lg[i], ref, rtol=1e-4, atol=1e-4)
+                # next step: the fed-back token at position a+j+1 and this step's pre-norm state
+                tok = int(target.compute_logits(feats.hidden[a + j + 1]).argmax()) if feed == "target" else int(ref.argmax())
+                ids = ids + [tok]
+                hidden = torch.cat([hidden, prenorm[-1:]])
+
+
+def test_element_loss_kinds():
+    t = torch.tensor([[2.0, 0.0, -1.0]])
+    assert element_loss(t, t, "kl").abs().item() < 1e-6
+    d = torch.tensor([[0.0, 1.0, 0.0]])
+    ce = element_loss(d, t, "ce").item()
+    assert abs(ce - (-torch.log_softmax(d, -1)[0, 0].item())) < 1e-6
+    with pytest.raises(ValueError, match="unknown loss"):
+        element_loss(d, t, "mse")
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """One token per character; a simple chat template with markers around each message."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 250 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        out = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return out + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_chat_loss_mask_covers_assistant_content_and_end_marker():
+    tok = CharTokenizer()
+    msgs = [{"role": "user", "content": "hi ok"}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "sure"}]
+    ex = render_chat(msgs, tok)
+    text = tok.apply_chat_template(msgs)
+    assert ex.input_ids == tok.encode(text)
+    supervised = "".join(c for c, m in zip(text, ex.loss_mask) if m)
+    assert supervised == "ok|sure|"  # the user's "ok" is not taken for the reply
+
+
+def test_chat_with_the_harmony_template():
+    from peagle_core.loading.tokenizer import apply_chat_template
+
+    class Harmony(CharTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=False):
+            return apply_chat_template(messages, add_generation_prompt)
+
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    ex = render_chat(msgs, Harmony())
+    text = apply_chat_template(msgs, False)
+    assert "".join(c for c, m in zip(text, ex.loss_mask) if m) == "4<"  # content + first char of <|end|>
+
+
+def test_jsonl_records_and_errors(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "abcdef"}\n\n{"input_ids": [1, 2, 3, 4, 5], "loss_mask": [0, 0, 1, 1, 1]}\n'
+                 '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "answer"}]}\n')
+    exs = load_examples(p, CharTokenizer(), max_len=40)
+    assert [len(e.input_ids) for e in exs] == [6, 5, 26]
+    assert exs[0].loss_mask == [True] * 6 and exs[1].loss_mask == [False, False, True, True, True]
+    assert sum(exs[2].loss_mask) == len("answer|")
+    # truncation; a chat cut before its reply has nothing to learn and is dropped
+    assert [len(e.input_ids) for e in load_examples(p, CharTokenizer(), max_len=5)] == [5, 5]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2"):
+        read_jsonl(bad)
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_examples(p, None, max_len=16)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_regenerate_keeps_prompt_and_supervises_the_targets_greedy_continuation(target):
+    recs = [{"input_ids": random_ids(12, 9)}, {"input_ids": random_ids(20, 10)}]
+    exs = regenerate(recs, target, None, max_new_tokens=6, max_len=64, prompt_tokens=5)
+    for rec, ex in zip(recs, exs):
+        assert ex.input_ids[:5] == rec["input_ids"][:5] and len(ex.input_ids) == 11
+        assert ex.loss_mask == [False] * 5 + [True] * 6
+        with torch.no_grad():  # teacher-forced argmax over the whole sequence reproduces the continuation
+            h, _ = target(torch.tensor(ex.input_ids), ForwardMeta.for_sequences([11]))
+            assert target.compute_logits(h[4:10]).argmax(-1).tolist() == ex.input_ids[5:]
+    # generation stops at a stop token
+    first = greedy_generate(target, [recs[0]["input_ids"][:5]], 6)[0]
+    assert greedy_generate(target, [recs[0]["input_ids"][:5]], 6, stop_ids=[first[1]])[0] == first[:2]
+
+
+# --------------------------------------------------------------------------------------------
+# trainer / CLI
+# --------------------------------------------------------------------------------------------
+
+
+def test_bf16_autocast_step_runs(target_dir):
+    t = load_target(target_dir, torch.bfloat16, "cpu")
+    examples = [Example(random_ids(24, i), [True] * 24) for i in range(2)]
+    for method in ("peagle", "eagle3"):
+        d = init_drafter(t, method, 1, 0, AUX, MASK_ID if method == "peagle" else None, 64)
+        rec = Trainer(t, d, examples, TrainConfig(method=method, num_depths=3, steps=2, batch_size=2,
+                                                  dtype="bfloat16")).step()
+        assert torch.isfinite(torch.tensor(rec["loss"])) and rec["loss"] > 0
+        assert d.fc.weight.dtype == torch.float32  # fp32 master weights
+
+
+def test_cli_trains_and_writes_a_loadable_head(target_dir, tmp_path, capsys):
+    from peagle_core.training.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": random_ids(30, i)}) + "\n" for i in range(4)))
+    out, log = tmp_path / "head", tmp_path / "log.jsonl"
+    rc = main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--method", "peagle",
+               "--num-depths", "3", "--layers", "2", "--steps", "3", "--seed", "1", "--sequence-partitions", "2",
+               "--max-len", "24", "--log-jsonl", str(log), "--device", "cpu", "--dtype", "float32",
+               "--aux-layers", "1,2,3", "--mask-token-id", str(MASK_ID), "--lr", "1e-3", "--batch-size", "2",
+               "--no-progress", "--intermediate-size", "64"])
+    assert rc == 0, capsys.readouterr().err
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all(len(r["acc"]) == 3 and r["loss"] > 0 and r["tokens_per_s"] > 0 and "lr" in r for r in recs)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["ptd_token_id"] == MASK_ID and cfg["parallel_drafting"] is True
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX and cfg["num_hidden_layers"] == 2
+    head = load_drafter(out, load_target(target_dir, torch.float32, "cpu"), torch.float32, "cpu")
+    assert head.mask_hidden is not None and head.config.mask_token_id == MASK_ID
+
+
+@pytest.mark.parametrize("extra,msg", [(["--method", "eagle3", "--sequence-partitions", "2"], "peagle only"),
+                                       (["--aux-layers", "1,9"], "outside"),
+                                       (["--cod-ratio", "0"], "COD ratios")])
+def test_cli_reports_bad_input_in_one_line(target_dir, tmp_path, capsys, extra, msg):
+    from peagle_core.training.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"input_ids": random_ids(30, 0)}) + "\n")
+    rc = main(["--target", str(target_dir), "--data", str(data), "--out", str(tmp_path / "o"), "--steps", "1",
+               "--no-progress", "--device", "cpu", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and "Traceback" not in err
+    rc = main(["--target", str(target_dir), "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"),
+               "--no-progress", "--device", "cpu"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
