@@ -265,6 +265,7 @@ class Frontend:
             raise
         if ev["event"] == "error":
             raise APIError(ev["status"], ev["message"], ev.get("param"), ev.get("code"))
+        await _finish(stream)
         use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
         created = P.now()
         if chat:
@@ -305,6 +306,7 @@ class Frontend:
                         use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
                         yield P.sse(P.usage_chunk(rid, self.model, created, obj, use))
                     completed = True
+                    await _finish(stream)
                     break
                 else:  # an error after the 200 was sent: OpenAI-style error event, then [DONE]
                     span.set_attribute("error.type", str(ev.get("code") or ev["status"]))
@@ -391,6 +393,20 @@ async def _next_event(stream) -> dict[str, Any]:
         raise
     except Exception as e:
         raise _ray_error(e) from None
+
+
+async def _finish(stream) -> None:
+    """Run the replica's generator to its end after the final event (its spans and counters close
+    there); a stream that does not end promptly is cancelled."""
+    try:
+        await asyncio.wait_for(stream.__anext__(), timeout=5)
+    except StopAsyncIteration:
+        return
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        pass
+    stream.cancel()
 
 
 def _ray_error(e: BaseException) -> APIError:

@@ -30,8 +30,8 @@ def with_oracle_drafts(llm: LLM, reference: dict, corrupt: float, seed: int = 0)
     runner, rng = llm.engine.runner, random.Random(seed)
     execute = runner.execute
 
-    def patched(batch):
-        res: StepResult = execute(batch)
+    def patched(batch, **kw):
+        res: StepResult = execute(batch, **kw)
         for i, s in enumerate(batch):
             if not s.samples:
                 continue

@@ -414,3 +414,12 @@ def test_cli_reports_bad_input_in_one_line(target_dir, tmp_path, capsys, extra, 
     rc = main(["--target", str(target_dir), "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o"),
                "--no-progress", "--device", "cpu"])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_default_mask_token_prefers_a_reserved_special_token():
+    from peagle_core.training.trainer import default_mask_token_id
+
+    cfg = tiny_target_config()  # vocab 256, eos 255, pad 254
+    assert default_mask_token_id(cfg) == 253
+    assert default_mask_token_id(cfg, {"<|end|>": 6, "<|reserved_1|>": 20, "<|reserved_2|>": 30}) == 30
+    assert default_mask_token_id(cfg, {"<|reserved_2|>": 30, "<|reserved_mask|>": 9}) == 9

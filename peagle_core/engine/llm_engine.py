@@ -81,11 +81,22 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         budget = cfg.max_num_batched_tokens or max(512, min(8192, self.max_model_len))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
-        self.policy = policy or FixedDepth(self.K)
+        self.policy = policy or self._default_policy()
         self.requests: dict[str, Request] = {}
         self.texts: dict[str, TextState] = {}
         self.stats = SpecDecodeStats()
         self.last_k, self.num_steps = self.K, 0
+
+    def _default_policy(self) -> DepthPolicy:
+        spec = self.config.speculative_config
+        if self.mode == "none" or not spec.adaptive:
+            return FixedDepth(self.K)
+        from peagle_core.engine.profile import profile
+        from peagle_core.spec.adaptive import AdaptiveDepth, StepTimeModel
+
+        points, draft = profile(self.runner, self.config.max_num_seqs * (self.K + 1))
+        times = StepTimeModel(points, draft_pass=draft, per_k_draft=self.mode == "eagle3")
+        return AdaptiveDepth(self.K, times, k_min=spec.min_num_speculative_tokens)
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -169,7 +180,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         try:
-            result = self.runner.execute(batch)
+            result = self.runner.execute(batch, draft_len=k)  # EAGLE-3 drafts what the next step will verify
         except Exception as e:
             for s in batch:  # the failure touched exactly these requests: end them, keep the engine
                 self.scheduler.finish(s.req, "error")

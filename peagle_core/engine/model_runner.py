@@ -63,7 +63,8 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled]) -> StepResult:
+    def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
+        """Run one step; EAGLE-3 drafts `draft_len` tokens (its cost grows with it), P-EAGLE always K."""
         dev = self.device
         ids, pos, draft_col, qsl = [], [], [], [0]
         for s in batch:
@@ -89,7 +90,7 @@ class ModelRunner:
         if self.drafter is not None:
             num_rejected = torch.tensor([s.num_drafts for s in batch], device=dev) - num_accepted
             drafts = self._draft(batch, input_ids, positions, query_start_loc, seq_lens, block_tables, aux,
-                                 next_ids, num_rejected)
+                                 next_ids, num_rejected, self.K if draft_len is None else max(1, draft_len))
         return self._to_host(batch, tokens, num_accepted, drafts)
 
     def _verify(self, batch: list[Scheduled], hidden: torch.Tensor, qsl: list[int]):
@@ -139,7 +140,8 @@ class ModelRunner:
             noise[cu[j]:cu[j + 1]].exponential_(generator=g)
         return uniforms, noise
 
-    def _draft(self, batch, input_ids, positions, qsl, seq_lens, block_tables, aux, next_ids, num_rejected):
+    def _draft(self, batch, input_ids, positions, qsl, seq_lens, block_tables, aux, next_ids, num_rejected,
+               draft_len: int):
         dev, K, B = self.device, self.K, len(batch)
         drafter = self.drafter
         P = K if self.mode == "peagle" else 1
@@ -163,7 +165,7 @@ class ModelRunner:
         # EAGLE-3: K-1 more passes, one token per request, feeding back the drafter's own pre-norm state.
         out, h, last_pos = [first[:, 0]], prenorm[sample_idx], d_pos[sample_idx]
         ar = torch.arange(B + 1, device=dev)
-        for i in range(1, K):
+        for i in range(1, min(draft_len, K)):
             p = last_pos + i
             meta = ForwardMeta(positions=p, query_start_loc=ar, seq_lens=(p + 1).clamp(max=self.max_model_len),
                                slot_mapping=self.slots(p, ar[:-1], block_tables), block_tables=block_tables)

@@ -44,8 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--intermediate-size", type=int, help="drafter MLP width (default 4 x hidden)")
     m.add_argument("--aux-layers", type=_int_list, help="target layer ids whose input residuals feed the drafter "
                                                         "(default vLLM's 2,L/2,L-3)")
-    m.add_argument("--mask-token-id", type=int, help="reserved token id for MASK slots (default: highest id "
-                                                     "that is not an end/pad token)")
+    m.add_argument("--mask-token-id", type=int, help="reserved token id for MASK slots (default: the tokenizer's "
+                                                     "reserved mask/reserved special token, else the highest "
+                                                     "id that is not an end/pad token)")
     m.add_argument("--cod-ratio", type=float, help="COD keep ratio r per depth (default 0.8 peagle, 1.0 eagle3)")
     m.add_argument("--cod-ratio-min", type=float, default=0.2, help="COD floor r_min")
     m.add_argument("--sequence-partitions", type=int, default=1, help="P-EAGLE: passes per sequence (memory / P^2)")
@@ -132,8 +133,9 @@ def train_from_args(args: argparse.Namespace) -> dict:
             raise ValueError(f"--aux-layers {args.aux_layers} differ from --init's {dc.aux_layer_ids}")
     else:
         layers = args.layers or (4 if args.method == "peagle" else 1)
+        special = tokenizer.special_token_ids if tokenizer is not None and hasattr(tokenizer, "special_token_ids") else None
         drafter = init_drafter(target, args.method, layers, args.seed, args.aux_layers, args.mask_token_id,
-                               args.intermediate_size, device)
+                               args.intermediate_size, device, special)
     aux = drafter.config.resolved_aux_layer_ids(target.config.num_hidden_layers)
     target.set_aux_layers(aux)
 

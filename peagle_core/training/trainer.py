@@ -85,15 +85,21 @@ class TrainConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def default_mask_token_id(tcfg: GptOssConfig) -> int:
-    """The highest id that is not an end/pad token. Prefer an id the tokenizer never emits (--mask-token-id)."""
+def default_mask_token_id(tcfg: GptOssConfig, special_tokens: dict[str, int] | None = None) -> int:
+    """A reserved special token of the tokenizer (one named like a mask first, then the highest
+    `reserved` one); without one, the highest id that is not an end/pad token."""
+    special = {n: i for n, i in (special_tokens or {}).items() if 0 <= i < tcfg.vocab_size}
+    for pick in (lambda n: "mask" in n.lower(), lambda n: "reserved" in n.lower()):
+        ids = [i for n, i in special.items() if pick(n)]
+        if ids:
+            return max(ids)
     taken = set(tcfg.eos_token_id) | ({tcfg.pad_token_id} if tcfg.pad_token_id is not None else set())
     return next(i for i in range(tcfg.vocab_size - 1, -1, -1) if i not in taken)
 
 
 def init_drafter(target: GptOss, method: str, layers: int, seed: int, aux_layer_ids: list[int] | None = None,
                  mask_token_id: int | None = None, intermediate_size: int | None = None,
-                 device: torch.device | str = "cpu") -> Drafter:
+                 device: torch.device | str = "cpu", special_tokens: dict[str, int] | None = None) -> Drafter:
     """A fresh head in the published layout, sized from the target; embeddings and LM head copied from it."""
     tcfg = target.config
     L = tcfg.num_hidden_layers
@@ -105,7 +111,7 @@ def init_drafter(target: GptOss, method: str, layers: int, seed: int, aux_layer_
         raise ValueError(f"the drafter needs at least 1 layer, got {layers}")
     parallel = method == "peagle"
     if parallel:
-        mask_token_id = default_mask_token_id(tcfg) if mask_token_id is None else mask_token_id
+        mask_token_id = default_mask_token_id(tcfg, special_tokens) if mask_token_id is None else mask_token_id
         if not 0 <= mask_token_id < tcfg.vocab_size:
             raise ValueError(f"mask token id {mask_token_id} is outside the vocabulary (0..{tcfg.vocab_size - 1})")
     cfg = DrafterConfig(

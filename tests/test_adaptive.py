@@ -1,0 +1,81 @@
+"""The adaptive depth policy picks the goodput-optimal k and never changes the output."""
+import pytest
+
+from peagle_core import LLM, SamplingParams
+from peagle_core.spec.adaptive import AcceptanceEstimate, AdaptiveDepth, StepTimeModel
+from peagle_core.spec.depth import StepInfo, StepOutcome
+
+
+def policy(K=7, rates=None, times=None, draft=0.0, per_k=False, k_min=0):
+    t = StepTimeModel(times or {1: 10e-3, 8: 10.5e-3, 64: 14e-3, 512: 60e-3}, draft_pass=draft, per_k_draft=per_k)
+    p = AdaptiveDepth(K, t, k_min=k_min)
+    if rates is not None:  # pin the estimate: huge evidence at the given rates
+        p.acceptance.reached = [1e9] * K
+        p.acceptance.accepted = [r * 1e9 for r in rates]
+    return p
+
+
+def test_all_rejected_chooses_zero_and_all_accepted_chooses_K():
+    assert policy(rates=[0.0] * 7).choose(StepInfo(4, 0, 7)) == 0
+    assert policy(rates=[1.0] * 7).choose(StepInfo(4, 0, 7)) == 7
+
+
+def test_choice_is_the_argmax_of_expected_goodput():
+    rates = [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    for batch in (1, 8, 32, 64):
+        p = policy(rates=rates)
+        k = p.choose(StepInfo(batch, 0, 7))
+        brute = max(range(8), key=lambda k: p.goodput(batch, k))
+        assert k == brute
+
+
+def test_deeper_at_low_load_shallower_at_high_load():
+    """Verification is nearly free at batch 1 and dear at batch 64: k should fall as load rises."""
+    rates = [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    times = {1: 10e-3, 16: 10.5e-3, 64: 13e-3, 128: 20e-3, 256: 40e-3, 512: 80e-3}
+    ks = [policy(rates=rates, times=times).choose(StepInfo(b, 0, 7)) for b in (1, 16, 64)]
+    assert ks[0] >= 5 and ks[2] < ks[1] < ks[0]
+
+
+def test_eagle3_draft_cost_per_token_pulls_k_down():
+    rates = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]
+    parallel = policy(rates=rates, draft=3e-3).choose(StepInfo(1, 0, 7))
+    sequential = policy(rates=rates, draft=3e-3, per_k=True).choose(StepInfo(1, 0, 7))
+    assert parallel >= 6 and sequential < parallel
+
+
+def test_acceptance_estimate_counts_conditional_positions():
+    est = AcceptanceEstimate(3, prior_weight=1e-9, decay=1.0)
+    est.observe([(3, 3), (3, 1), (3, 0), (2, 2)])
+    # position 1 judged 4x, passed 3x; position 2 judged 3x (all but the 0-accept), passed 2x; position 3 judged 1x
+    assert est.rates() == pytest.approx([3 / 4, 2 / 3, 1.0])
+    assert est.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 2 / 3)
+
+
+def test_forgetting_returns_to_prior_so_zero_is_not_absorbing():
+    p = policy()
+    for _ in range(50):
+        p.observe(StepInfo(4, 0, 7), StepOutcome(7, [(7, 0)] * 4, 0.01, 32))
+    assert p.choose(StepInfo(4, 0, 7)) == 0
+    for _ in range(300):  # no evidence while k = 0: the estimate drifts back toward the prior
+        p.observe(StepInfo(4, 0, 7), StepOutcome(0, [], 0.01, 4))
+    assert p.choose(StepInfo(4, 0, 7)) > 0
+
+
+def test_bounds_are_respected():
+    assert policy(rates=[0.0] * 7, k_min=2).choose(StepInfo(4, 0, 7)) == 2
+    with pytest.raises(ValueError):
+        AdaptiveDepth(3, StepTimeModel({1: 1.0}), k_min=5)
+
+
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+def test_adaptive_engine_output_equals_plain_greedy(tiny_pair, mode):
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 30))]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(tiny_pair["target"], device="cpu").generate(prompts, sp)]
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config={
+        "method": "eagle3", "model": tiny_pair[mode], "num_speculative_tokens": 3,
+        "parallel_drafting": mode == "peagle", "adaptive": True})
+    assert isinstance(llm.engine.policy, AdaptiveDepth)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+    assert "k" in llm.engine.engine_stats()["policy"]
