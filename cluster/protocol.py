@@ -154,6 +154,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony's system-message setting
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -257,7 +257,11 @@ class EngineServer:
             if chars > limit_chars:
                 raise _too_long(f"The messages have {chars} characters, more than max_model_len "
                                 f"({self.max_model_len} tokens) can hold.", "messages")
-            text = tok.apply_chat_template(req["messages"], add_generation_prompt=True)
+            kw = {"reasoning_effort": req["reasoning_effort"]} if req.get("reasoning_effort") else {}
+            try:
+                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, **kw)
+            except TypeError:
+                raise ValueError("reasoning_effort is not supported by this model's chat template") from None
             param = "messages"
         else:
             prompt = req["prompt"]

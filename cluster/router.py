@@ -346,6 +346,8 @@ def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ct
                          "max_tokens": req.requested_max_tokens(), "trace": trace_ctx, "sent_at": time.time()}
     if chat:
         d["messages"] = req.template_messages()
+        if req.reasoning_effort:
+            d["reasoning_effort"] = req.reasoning_effort
     else:
         d["prompt"] = req.single_prompt()
     return d

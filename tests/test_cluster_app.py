@@ -526,3 +526,37 @@ def test_request_models_follow_openai_types():
          "max_completion_tokens": 7, "max_tokens": 3, "stop": "x"}).encode())
     assert chat.requested_max_tokens() == 7 and chat.stop == ["x"]
     assert chat.sampling_kwargs(None) == {"max_tokens": 7, "stop": ["x"]}
+
+
+def test_reasoning_effort_reaches_the_harmony_system_message(loop, server):
+    messages = [{"role": "user", "content": "Hi"}]
+    tok = server.llm.tokenizer
+    for effort in ("low", "high"):
+        body = call(loop, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                          "reasoning_effort": effort}).json()
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, reasoning_effort=effort)
+        assert f"Reasoning: {effort}" in prompt
+        assert body["usage"]["prompt_tokens"] == len(tok.encode(prompt))
+    assert_envelope(call(loop, "POST", "/v1/chat/completions", {"messages": messages, "reasoning_effort": "max"}),
+                    400, "reasoning_effort")
+
+
+def test_otlp_exporter_is_used_only_when_an_endpoint_is_configured(tmp_path):
+    """Tracing is process-global, so each case runs in a fresh interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("from cluster.telemetry import setup_tracing, tracer\n"
+             "from opentelemetry import trace\n"
+             "setup_tracing('auto')\n"
+             "p = trace.get_tracer_provider()\n"
+             "procs = getattr(getattr(p, '_active_span_processor', None), '_span_processors', ())\n"
+             "print(type(p).__name__, [type(x.span_exporter).__name__ for x in procs])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    on = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                        env=env | {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+    assert off.returncode == 0 and on.returncode == 0, off.stderr + on.stderr
+    assert "OTLPSpanExporter" not in off.stdout and off.stdout.startswith("ProxyTracerProvider")
+    assert on.stdout.startswith("TracerProvider") and "OTLPSpanExporter" in on.stdout

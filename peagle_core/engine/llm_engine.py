@@ -13,6 +13,7 @@ from peagle_core.engine.model_runner import ModelRunner
 from peagle_core.engine.output import TextState
 from peagle_core.engine.request import Request, Status
 from peagle_core.engine.scheduler import Scheduler
+from peagle_core.engine.tp import TPError, start_tensor_parallel
 from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 from peagle_core.loading.checkpoint import DTYPES, load_drafter, load_target
 from peagle_core.loading.hub import resolve
@@ -44,6 +45,16 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return device, DTYPES[name]
 
 
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> float:
+    """Bytes this device may give the KV cache (every tensor-parallel rank asks for its own)."""
+    if cfg.kv_cache_memory_gb:
+        return cfg.kv_cache_memory_gb * 2**30
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free - (1 - cfg.gpu_memory_utilization) * total
+    return 2 * 2**30
+
+
 def load_tokenizer(path: Path):
     if not (path / "tokenizer.json").exists():
         return None
@@ -59,7 +70,17 @@ class LLMEngine:
         torch.manual_seed(cfg.seed)
         path = resolve(cfg.model)
         self.tokenizer = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path)
-        self.target = load_target(path, self.dtype, self.device)
+        # TP=N: ranks 1..N-1 start loading their shards now; TP=1: a stand-in that does nothing.
+        self.tp = start_tensor_parallel(cfg, path, self.device, self.dtype)
+        try:
+            self._build(cfg, path, policy)
+        except BaseException:
+            self.tp.shutdown()
+            raise
+
+    def _build(self, cfg: EngineConfig, path: Path, policy: DepthPolicy | None) -> None:
+        self.target = load_target(path, self.dtype, self.device, self.tp.world_size, self.tp.shard)
+        self.tp.apply(self.target)  # all-reduces in the layers; each forward announced to the workers
         tcfg = self.target.config
         self.mode, self.K = cfg.spec_mode, cfg.num_spec_tokens
         self.drafter = None
@@ -72,7 +93,7 @@ class LLMEngine:
         if self.max_model_len > tcfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {tcfg.max_position_embeddings}")
         self.stop_ids = set(self.tokenizer.stop_token_ids if self.tokenizer else tcfg.eos_token_id)
-        num_blocks = self._num_blocks()
+        num_blocks = self.tp.agree_num_blocks(self._num_blocks(), self.max_model_len)  # the smallest rank's
         if num_blocks * cfg.block_size < self.max_model_len:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {cfg.block_size}) cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
@@ -106,14 +127,7 @@ class LLMEngine:
         if self.drafter is not None:
             per_block += ModelRunner.cache_bytes_per_block(self.drafter, cfg.block_size, self.dtype)
         useful = cfg.max_num_seqs * -(-(self.max_model_len + self.K) // cfg.block_size) + 1
-        if cfg.kv_cache_memory_gb:
-            budget = cfg.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cfg.gpu_memory_utilization) * total
-        else:
-            budget = 2 * 2**30
-        n = min(useful, int(budget // per_block))
+        n = min(useful, int(kv_budget_bytes(cfg, self.device) // per_block))
         if n < 1:
             raise ValueError("not enough memory for a single KV-cache block; lower max_model_len or raise the KV budget")
         return n
@@ -169,7 +183,12 @@ class LLMEngine:
         return req
 
     def has_work(self) -> bool:
+        self.tp.check_alive()  # TPError once a tensor-parallel worker is gone: the engine is dead, not idle
         return self.scheduler.has_work()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at TP=1)."""
+        self.tp.shutdown()
 
     def step(self) -> list[Update]:
         running = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.drafts]
@@ -186,6 +205,8 @@ class LLMEngine:
                 self.scheduler.finish(s.req, "error")
                 self.requests.pop(s.req.request_id, None)
                 self.texts.pop(s.req.request_id, None)
+            if isinstance(e, TPError):
+                raise  # the ranks are out of step for good: fatal for the engine, not just this batch
             raise StepError([s.req for s in batch], e) from e
         step_time = time.perf_counter() - t0
         self.last_k, self.num_steps = k, self.num_steps + 1

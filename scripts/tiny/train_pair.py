@@ -48,34 +48,6 @@ def regenerate(target: Path, prompts_file: Path, out: Path, max_tokens: int, lim
     return {"records": len(outs), "generated_tokens": n_tok, "seconds": time.time() - t0}
 
 
-def evaluate(target: Path, heads: dict[str, Path], heldout: dict[str, list[str]], max_tokens: int) -> dict:
-    """Acceptance length and per-position acceptance on held-out prompts (greedy), plus losslessness."""
-    from peagle_core import LLM, SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    base = LLM(str(target), max_num_seqs=128, max_model_len=1024)
-    prompts = {name: [base.tokenizer.apply_chat_template([{"role": "user", "content": q}]) if name == "mtbench" else q
-                      for q in qs] for name, qs in heldout.items()}
-    plain = {name: [o.outputs[0].token_ids for o in base.generate(ps, sp)] for name, ps in prompts.items()}
-    results = []
-    for method, head in heads.items():
-        for k in (3, 5, 7):
-            llm = LLM(str(target), max_num_seqs=128, max_model_len=1024, speculative_config={
-                "method": "eagle3", "model": str(head), "num_speculative_tokens": k,
-                "parallel_drafting": method == "peagle"})
-            for name, ps in prompts.items():
-                outs = llm.generate(ps, sp)
-                stats = llm.engine.stats
-                same = sum(o.outputs[0].token_ids == ref for o, ref in zip(outs, plain[name]))
-                per_pos = [a / stats.num_drafts for a in stats.num_accepted_tokens_per_pos] if stats.num_drafts else []
-                results.append({"dataset": name, "method": method, "k": k, "prompts": len(ps),
-                                "acceptance_length": stats.acceptance_length, "per_position_acceptance": per_pos,
-                                "identical_to_plain": same})
-                print(json.dumps(results[-1]), flush=True)
-                llm.engine.stats = type(stats)()
-    return {"results": results}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data", help="folder written by prepare_data.py")
@@ -105,10 +77,11 @@ def main() -> None:
     report["eagle3_train_s"] = run([py, "-m", "peagle_core.training.cli", "train", *common, "--method", "eagle3",
                                     "--num-depths", "5", "--layers", "1",
                                     "--out", str(heads["eagle3"]), "--log-jsonl", str(out / "eagle3_train.jsonl")])
-    heldout = json.loads((data / "heldout.json").read_text())
-    report["eval"] = evaluate(out / "target", heads, heldout, args.eval_tokens)
+    report["eval_s"] = run([py, "scripts/tiny/evaluate.py", "--pair", str(out), "--prompts", "80",
+                            "--max-tokens", str(args.eval_tokens), "--out", str(out / "eval"),
+                            "--device", "cuda" if torch.cuda.is_available() else "cpu"])
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({k: v for k, v in report.items() if k != "eval"}, indent=1))
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,553 @@
+"""Tensor parallelism: one engine across N devices, every decision made once, on rank 0.
+
+Rank 0 is the engine's own process. It schedules, samples, verifies and drafts exactly as at TP=1.
+Ranks 1..N-1 are workers that hold a shard of the target and nothing else. Every target forward on
+rank 0 is first announced to the workers (a small header on a CPU gloo group, then the token ids and
+ForwardMeta tensors on the compute group), so all ranks run the same forward and meet in its
+all-reduces; only rank 0 reads the result. Workers keep no per-request state: rank 0's slot mapping
+says where their K/V go, so ranks cannot disagree about accepted lengths.
+
+Sharding (`target_shard`, Megatron style; `DecoderLayer.all_reduce` sums the partial outputs):
+  attention  q/k/v rows and sinks by head, o_proj columns (its bias on rank 0 only);
+  experts    w1/b1 rows [2*start, 2*end) of the intermediate dimension (gate/up pairs are interleaved,
+             so a contiguous range keeps them together), w2 columns [start, end), b2 on rank 0 only;
+  the rest   (embedding, norms, router, lm_head) is replicated.
+The drafter is small: rank 0 holds a full copy with its KV cache and is the only rank that runs it.
+
+Each instance has its own TCPStore on a free port and its own process groups, built directly (never
+torch.distributed's process-global default group), so several engines can live in one process.
+`PEAGLE_TP_TIMEOUT_S` (default 300) bounds worker start-up and each compute collective.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from peagle_core.config import EngineConfig, GptOssConfig
+from peagle_core.loading.checkpoint import Shard, load_target, read_json
+from peagle_core.models.gpt_oss import GptOss
+from peagle_core.models.layers import ForwardMeta
+
+STEP, INIT, SHUTDOWN = 0, 1, 2   # message kinds (header[0])
+HEADER = 6                       # kind, num_tokens, num_requests, block-table width, flags, spare
+HAS_SEQ_LENS, HAS_SLOTS, HAS_BLOCK_TABLES = 1, 2, 4
+IDLE = dt.timedelta(days=3650)   # workers wait for rank 0 on the control group for as long as the engine idles
+
+
+class TPError(RuntimeError):
+    """A tensor-parallel worker died or a collective failed: this engine cannot continue."""
+
+
+def tp_timeout_s() -> float:
+    return float(os.environ.get("PEAGLE_TP_TIMEOUT_S", "300"))
+
+
+# --------------------------------------------------------------------------------------------
+# Checks and sharding
+# --------------------------------------------------------------------------------------------
+
+
+def check_divisible(cfg: GptOssConfig, n: int) -> None:
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "intermediate_size": cfg.intermediate_size}
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % n]
+    if bad:
+        raise ValueError(f"tensor_parallel_size={n} must divide the model's {', '.join(bad)}")
+
+
+def rank_devices(device: torch.device, n: int, in_ray: bool) -> list[str]:
+    """The device of each rank. Local workers take the next GPUs; a Ray worker sees only its bundle's GPU."""
+    if device.type == "cpu":
+        return ["cpu"] * n
+    if device.type != "cuda":
+        raise ValueError(f"tensor parallelism runs on cpu (gloo) or cuda (NCCL) devices, not {device.type!r}")
+    if in_ray:
+        return [str(device)] + ["cuda:0"] * (n - 1)
+    base, count = device.index or 0, torch.cuda.device_count()
+    if base + n > count:
+        raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs (cuda:{base}..cuda:{base + n - 1}) "
+                         f"but only {count} are visible")
+    return [f"cuda:{base + r}" for r in range(n)]
+
+
+def check_bundles(bundles: list[dict], n: int, cuda: bool) -> None:
+    if len(bundles) < n:
+        raise ValueError(f"tensor_parallel_size={n} needs a placement group of {n} bundles (bundle 0 for the "
+                         f"engine, one per worker); the current one has {len(bundles)}")
+    if cuda and any(b.get("GPU", 0) < 1 for b in bundles[1:n]):
+        raise ValueError(f"tensor_parallel_size={n} on cuda: placement-group bundles 1..{n - 1} must each hold a GPU, "
+                         f"got {bundles[1:n]}")
+
+
+def target_shard(cfg: GptOssConfig, rank: int, world: int) -> Shard:
+    """`(name, full tensor) -> this rank's slice` for `load_target`'s shard hook."""
+    d = cfg.head_dim
+    heads, kv, inter = cfg.num_attention_heads // world, cfg.num_key_value_heads // world, cfg.intermediate_size // world
+
+    def once(t: torch.Tensor) -> torch.Tensor:
+        return t if rank == 0 else torch.zeros_like(t)  # a bias after a row-parallel matmul: summed once
+
+    def shard(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return t.narrow(0, rank * heads * d, heads * d)
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            return t.narrow(0, rank * kv * d, kv * d)
+        if name.endswith("self_attn.sinks"):
+            return t.narrow(0, rank * heads, heads)
+        if name.endswith("o_proj.weight"):
+            return t.narrow(1, rank * heads * d, heads * d)
+        if name.endswith(("experts.w1", "experts.b1")):   # [E, 2I, H] / [E, 2I]
+            return t.narrow(1, 2 * rank * inter, 2 * inter)
+        if name.endswith("experts.w2"):                     # [E, H, I]
+            return t.narrow(2, rank * inter, inter)
+        if name.endswith(("o_proj.bias", "experts.b2")):
+            return once(t)
+        return t  # replicated
+
+    return shard
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups and messages
+# --------------------------------------------------------------------------------------------
+
+
+def _gloo(store: dist.Store, rank: int, world: int, host: str, timeout: dt.timedelta) -> dist.ProcessGroupGloo:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def _nccl(store: dist.Store, rank: int, world: int, timeout: dt.timedelta):
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world, opts)
+
+
+class Communicator:
+    """Two groups: `ctrl` (gloo, CPU) carries rank 0's headers and may wait as long as the engine idles;
+    `compute` (NCCL on GPUs, gloo on CPU, with the collective timeout) carries tensors and all-reduces."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, host: str, timeout_s: float):
+        self.rank, self.world, self.device = rank, world, device
+        self.ctrl = _gloo(dist.PrefixStore("ctrl", store), rank, world, host, IDLE)
+        timeout = dt.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            self.compute = _nccl(dist.PrefixStore("compute", store), rank, world, timeout)
+        else:
+            self.compute = _gloo(dist.PrefixStore("compute", store), rank, world, host, timeout)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.compute.allreduce([t]).wait()
+        return t
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        self.compute.broadcast(t, 0).wait()
+        return t
+
+    def send_header(self, *fields: int) -> None:
+        h = torch.zeros(HEADER, dtype=torch.long)
+        h[:len(fields)] = torch.tensor(fields, dtype=torch.long)
+        self.ctrl.broadcast(h, 0).wait()
+
+    def recv_header(self) -> list[int]:
+        h = torch.zeros(HEADER, dtype=torch.long)
+        self.ctrl.broadcast(h, 0).wait()
+        return h.tolist()
+
+    def start_min(self, value: int) -> tuple[dist.Work, torch.Tensor]:
+        t = torch.tensor([value], dtype=torch.long)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        return self.ctrl.allreduce([t], opts), t
+
+
+def pack_forward(input_ids: torch.Tensor, meta: ForwardMeta) -> tuple[list[int], torch.Tensor]:
+    """One target forward as a header and one int64 tensor (on rank 0's device: no host sync)."""
+    if meta.attn_mask is not None:
+        raise ValueError("tensor parallelism does not support forwards with an explicit attn_mask")
+    T, B = input_ids.numel(), meta.query_start_loc.numel() - 1
+    parts, flags, width = [input_ids, meta.positions, meta.query_start_loc], 0, 0
+    if meta.seq_lens is not None:
+        parts.append(meta.seq_lens)
+        flags |= HAS_SEQ_LENS
+    if meta.slot_mapping is not None:
+        parts.append(meta.slot_mapping)
+        flags |= HAS_SLOTS
+    if meta.block_tables is not None:
+        parts.append(meta.block_tables.reshape(-1))
+        width, flags = meta.block_tables.shape[1], flags | HAS_BLOCK_TABLES
+    return [STEP, T, B, width, flags], torch.cat([p.reshape(-1).long() for p in parts])
+
+
+def payload_size(T: int, B: int, width: int, flags: int) -> int:
+    return (2 * T + B + 1 + (B if flags & HAS_SEQ_LENS else 0) + (T if flags & HAS_SLOTS else 0)
+            + (B * width if flags & HAS_BLOCK_TABLES else 0))
+
+
+def unpack_forward(header: list[int], payload: torch.Tensor) -> tuple[torch.Tensor, ForwardMeta]:
+    _, T, B, width, flags, _ = header
+    sizes = [T, T, B + 1, B if flags & HAS_SEQ_LENS else 0, T if flags & HAS_SLOTS else 0,
+             B * width if flags & HAS_BLOCK_TABLES else 0]
+    ids, pos, qsl, seq, slots, bt = payload.split(sizes)
+    return ids, ForwardMeta(positions=pos, query_start_loc=qsl, seq_lens=seq if flags & HAS_SEQ_LENS else None,
+                            slot_mapping=slots if flags & HAS_SLOTS else None,
+                            block_tables=bt.view(B, width) if flags & HAS_BLOCK_TABLES else None)
+
+
+def install_all_reduce(target: GptOss, comm: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    for layer in target.model.layers:
+        layer.all_reduce = comm
+
+
+# --------------------------------------------------------------------------------------------
+# Workers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to build its shard (picklable: it crosses a process boundary)."""
+
+    config: EngineConfig
+    dtype: torch.dtype
+    devices: list[str]          # per rank
+    master_addr: str
+    master_port: int
+    gloo_host: str | None       # interface for gloo pairs; None: this node's IP (Ray, possibly several nodes)
+    timeout_s: float
+    num_threads: int
+    triton: bool | None         # rank 0's kernels.dispatch choice
+
+
+def run_worker(spec: WorkerSpec, rank: int) -> None:
+    """A worker's whole life: connect, load its shard, agree on the KV cache, then follow rank 0's forwards."""
+    from kernels.dispatch import set_triton_enabled
+    from peagle_core.engine.llm_engine import kv_budget_bytes
+    from peagle_core.engine.model_runner import ModelRunner
+    from peagle_core.loading.hub import resolve
+
+    torch.set_num_threads(spec.num_threads)
+    set_triton_enabled(spec.triton)
+    world, cfg, device = len(spec.devices), spec.config, torch.device(spec.devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(spec.master_addr, spec.master_port, world, False,
+                          timeout=dt.timedelta(seconds=spec.timeout_s))
+    store.set(f"hello/{rank}", str(os.getpid()))
+    comm = Communicator(store, rank, world, device, spec.gloo_host or _node_ip(), spec.timeout_s)
+
+    path = resolve(cfg.model)
+    tcfg = GptOssConfig.from_hf(read_json(path / "config.json"))
+    target = load_target(path, spec.dtype, device, world, target_shard(tcfg, rank, world))
+    install_all_reduce(target, comm.all_reduce)
+    per_block = ModelRunner.cache_bytes_per_block(target, cfg.block_size, spec.dtype)
+    work, _ = comm.start_min(cfg.num_gpu_blocks or int(kv_budget_bytes(cfg, device) // per_block))
+    work.wait()
+    kind, num_blocks, max_model_len, *_ = comm.recv_header()
+    if kind != INIT:
+        return
+    # The same runner code binds the same cache layout; only its target forward is ever used here.
+    ModelRunner(target, None, "none", 0, cfg.block_size, num_blocks, max_model_len, device, spec.dtype,
+                tcfg.vocab_size)
+    with torch.inference_mode():
+        while True:
+            header = comm.recv_header()
+            if header[0] == SHUTDOWN:
+                return
+            payload = torch.empty(payload_size(*header[1:5]), dtype=torch.long, device=device)
+            input_ids, meta = unpack_forward(header, comm.broadcast(payload))
+            target(input_ids, meta)
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _process_main(spec: WorkerSpec, rank: int, errors) -> None:
+    """Entry point of a local (torch.multiprocessing spawn) worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; we exit with it
+    parent = os.getppid()
+
+    def exit_with_parent() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+    try:
+        run_worker(spec, rank)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+
+
+class ProcessWorkers:
+    """Ranks 1..N-1 as local processes (LLM outside Ray, or a replica without a placement group)."""
+
+    def __init__(self, spec: WorkerSpec):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.errors = ctx.Queue()
+        self.reported: dict[int, str] = {}
+        self.procs = {r: ctx.Process(target=_process_main, args=(spec, r, self.errors), name=f"peagle-tp{r}",
+                                     daemon=True) for r in range(1, len(spec.devices))}
+        for p in self.procs.values():
+            p.start()
+
+    def dead(self) -> list[str]:
+        out = []
+        for r, p in self.procs.items():
+            if not p.is_alive():
+                why = self._error(r) or (": it failed before running any of our code; a script that builds a "
+                                         "tensor-parallel engine must do so under `if __name__ == '__main__':` "
+                                         "(multiprocessing's spawn re-imports it)" if p.exitcode == 1 else "")
+                out.append(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}{why}")
+        return out
+
+    def _error(self, rank: int) -> str:
+        while True:
+            try:
+                r, tb = self.errors.get_nowait()
+            except Exception:  # queue.Empty, or a queue already closed
+                break
+            self.reported[r] = tb.strip().splitlines()[-1]
+        return f": {self.reported[rank]}" if rank in self.reported else ""
+
+    def join(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            p.join(max(0.0, end - time.monotonic()))
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(2.0)
+
+
+class _RayWorker:
+    def run(self, spec: WorkerSpec, rank: int, num_threads: int) -> None:
+        run_worker(WorkerSpec(**{**spec.__dict__, "num_threads": num_threads}), rank)
+
+
+class RayWorkers:
+    """Ranks 1..N-1 as Ray actors in bundles 1..N-1 of the current placement group (bundle 0 holds rank 0).
+
+    The actors are owned by rank 0's process, so Ray kills them when it dies."""
+
+    def __init__(self, spec: WorkerSpec, pg):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls = ray.remote(_RayWorker)
+        self.actors, self.refs = {}, {}
+        for r in range(1, len(spec.devices)):
+            b = pg.bundle_specs[r]
+            self.actors[r] = actor_cls.options(
+                num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0), max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r)).remote()
+            self.refs[r] = self.actors[r].run.remote(spec, r, max(1, int(b.get("CPU", 1))))
+
+    def dead(self) -> list[str]:
+        import ray
+
+        ready, _ = ray.wait(list(self.refs.values()), num_returns=len(self.refs), timeout=0)
+        out = []
+        for r, ref in self.refs.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    why = "exited"
+                except Exception as e:
+                    why = f"failed: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__}"
+                out.append(f"rank {r} (Ray actor) {why}")
+        return out
+
+    def join(self, timeout_s: float) -> None:
+        import ray
+
+        ray.wait(list(self.refs.values()), num_returns=len(self.refs), timeout=timeout_s)
+
+    def kill(self) -> None:
+        try:
+            import ray
+
+            for a in self.actors.values():
+                ray.kill(a)
+        except Exception:  # Ray already shut down: its actors went with it
+            pass
+
+
+def current_placement_group():
+    """The placement group this process runs in (a Ray Serve replica with placement_group_bundles), or None."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return None
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from ray.util import get_current_placement_group
+
+    return get_current_placement_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Rank 0
+# --------------------------------------------------------------------------------------------
+
+
+class SingleDevice:
+    """TP=1: the same interface as `TPWorkerGroup`, doing nothing."""
+
+    world_size = 1
+    shard: Shard | None = None
+
+    def apply(self, target: GptOss) -> None:
+        pass
+
+    def agree_num_blocks(self, num_blocks: int, max_model_len: int) -> int:
+        return num_blocks
+
+    def check_alive(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class TPWorkerGroup:
+    """Rank 0's handle on ranks 1..N-1: start them, announce forwards, watch them, stop them."""
+
+    def __init__(self, cfg: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype):
+        from kernels.dispatch import triton_enabled
+
+        n = self.world_size = cfg.tensor_parallel_size
+        tcfg = GptOssConfig.from_hf(read_json(model_path / "config.json"))
+        check_divisible(tcfg, n)
+        pg = current_placement_group()
+        if pg is not None:
+            check_bundles(pg.bundle_specs, n, device.type == "cuda")
+        devices = rank_devices(device, n, pg is not None)
+        self.shard = target_shard(tcfg, 0, n)
+        self.timeout_s = tp_timeout_s()
+        host = _node_ip() if pg is not None else "127.0.0.1"
+        self.broken: str | None = None
+        self.started = self.closed = False
+        self.store = dist.TCPStore(host, 0, n, True, timeout=dt.timedelta(seconds=self.timeout_s),
+                                   wait_for_workers=False)
+        spec = WorkerSpec(cfg, dtype, devices, host, self.store.port, None if pg is not None else host,
+                          self.timeout_s, torch.get_num_threads(), triton_enabled())
+        self.workers = RayWorkers(spec, pg) if pg is not None else ProcessWorkers(spec)
+        self._finalizer = weakref.finalize(self, self.workers.kill)  # never leave workers behind
+        try:
+            hello = [f"hello/{r}" for r in range(1, n)]
+            self._wait(lambda: self.store.check(hello), "start", self.timeout_s)
+            self.comm = Communicator(self.store, 0, n, torch.device(devices[0]), host, self.timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def apply(self, target: GptOss) -> None:
+        """All-reduce after attention and MoE; every target forward on rank 0 is announced to the workers first."""
+        install_all_reduce(target, self.all_reduce)
+        target.register_forward_pre_hook(self._announce, with_kwargs=True)
+
+    def agree_num_blocks(self, num_blocks: int, max_model_len: int) -> int:
+        """Every rank sizes its KV cache; all take the smallest, then the workers bind theirs and start."""
+        work, t = self.comm.start_min(num_blocks)
+        self._wait(work.is_completed, "load their shards")  # as long as loading takes, while they live
+        work.wait()
+        n = int(t.item())
+        if n < 1:
+            raise ValueError("a tensor-parallel worker has no memory for a single KV-cache block")
+        self.comm.send_header(INIT, n, max_model_len)
+        self.started = True
+        return n
+
+    def check_alive(self) -> None:
+        if self.broken is None and not self.closed:
+            dead = self.workers.dead()
+            if dead:
+                self.broken = "tensor-parallel worker " + "; ".join(dead)
+        if self.broken is not None:
+            raise TPError(f"{self.broken}; the engine cannot continue (tensor_parallel_size={self.world_size})")
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.comm.all_reduce(t)
+        except Exception as e:
+            self._fail("all-reduce", e)
+
+    def _announce(self, module, args, kwargs) -> None:
+        input_ids = args[0] if args else kwargs["input_ids"]
+        meta = args[1] if len(args) > 1 else kwargs["meta"]
+        if not self.started:
+            raise TPError("the tensor-parallel workers have not started yet")
+        self.check_alive()
+        header, payload = pack_forward(input_ids, meta)
+        try:
+            self.comm.send_header(*header)
+            self.comm.broadcast(payload)
+        except Exception as e:
+            self._fail("step broadcast", e)
+
+    def _fail(self, what: str, e: Exception):
+        """A collective failed: the ranks are out of step for good. Name the dead worker if there is one."""
+        end = time.monotonic() + 2.0
+        dead = self.workers.dead()
+        while not dead and time.monotonic() < end:  # a crashed peer closes its sockets just before it exits
+            time.sleep(0.05)
+            dead = self.workers.dead()
+        reason = "; ".join(dead) if dead else f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        self.broken = self.broken or f"tensor-parallel {what} failed ({reason})"
+        raise TPError(f"{self.broken}; the engine cannot continue (tensor_parallel_size={self.world_size})") from e
+
+    def _wait(self, done: Callable[[], bool], what: str, timeout_s: float | None = None) -> None:
+        end = time.monotonic() + timeout_s if timeout_s else None
+        while not done():
+            self.check_alive()
+            if end is not None and time.monotonic() > end:
+                raise TPError(f"tensor-parallel workers did not {what} within {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def shutdown(self) -> None:
+        """Stop the workers: politely when they are idle and healthy, by force otherwise."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.started and self.broken is None:
+            try:
+                self.comm.send_header(SHUTDOWN)
+                self.workers.join(5.0)
+            except Exception:
+                pass
+        self.workers.kill()
+        self._finalizer.detach()
+
+
+def start_tensor_parallel(cfg: EngineConfig, model_path: Path, device: torch.device,
+                          dtype: torch.dtype) -> SingleDevice | TPWorkerGroup:
+    """TP=1: a no-op stand-in. TP=N: spawn ranks 1..N-1 (Ray actors inside a placement group, else local
+    processes) and connect to them; they start loading their shards at once, in parallel with rank 0."""
+    if cfg.tensor_parallel_size == 1:
+        return SingleDevice()
+    return TPWorkerGroup(cfg, model_path, device, dtype)

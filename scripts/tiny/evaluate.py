@@ -1,0 +1,118 @@
+"""Held-out evaluation of the tiny pair: acceptance (greedy) and CPU tokens/s per speculation mode.
+
+    python scripts/tiny/evaluate.py --pair peagle_core/assets/tiny --prompts 40 --max-tokens 64 \
+        --out docs/benchmarks/tiny_pair
+
+MT-Bench questions go through the chat template, HumanEval prompts are completed as raw code.
+Every speculative run is also checked token-for-token against plain greedy decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from peagle_core import LLM, SamplingParams
+
+HELDOUT = Path(__file__).resolve().parents[2] / "data" / "heldout.json"
+
+
+def load_prompts(tokenizer, n: int, heldout: Path = HELDOUT) -> dict[str, list[str]]:
+    if heldout.exists():
+        qs = json.loads(heldout.read_text())
+    else:  # straight from the packages (scripts/tiny/corpus.py knows where they keep their data)
+        import importlib.util
+        import sys
+        spec = importlib.util.spec_from_file_location("tiny_corpus", Path(__file__).with_name("corpus.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        qs = {"mtbench": mod.load_heldout("mtbench"), "humaneval": mod.load_heldout("humaneval")}
+    return {"mtbench": [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in qs["mtbench"][:n]],
+            "humaneval": qs["humaneval"][:n]}
+
+
+def spec(pair: Path, method: str, k: int) -> dict | None:
+    if method == "none":
+        return None
+    return {"method": "eagle3", "model": str(pair / method), "num_speculative_tokens": k,
+            "parallel_drafting": method == "peagle"}
+
+
+def evaluate(pair: Path, n: int, max_tokens: int, ks=(3, 5, 7), **engine) -> list[dict]:
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    base = LLM(str(pair / "target"), **engine)
+    prompts = load_prompts(base.tokenizer, n)
+    rows, plain = [], {}
+    for name, ps in prompts.items():
+        t0 = time.perf_counter()
+        outs = base.generate(ps, sp)
+        secs = time.perf_counter() - t0
+        plain[name] = [o.outputs[0].token_ids for o in outs]
+        toks = sum(map(len, plain[name]))
+        rows.append({"dataset": name, "method": "none", "k": 0, "prompts": len(ps), "acceptance_length": 1.0,
+                     "per_position_acceptance": [], "tokens_per_s": toks / secs, "steps": base.engine.num_steps,
+                     "output_tokens": toks, "identical_to_plain": len(ps)})
+        base.engine.num_steps = 0
+    for method in ("peagle", "eagle3"):
+        for k in ks:
+            llm = LLM(str(pair / "target"), speculative_config=spec(pair, method, k), **engine)
+            for name, ps in prompts.items():
+                t0 = time.perf_counter()
+                outs = llm.generate(ps, sp)
+                secs = time.perf_counter() - t0
+                st = llm.engine.stats
+                toks = sum(len(o.outputs[0].token_ids) for o in outs)
+                rows.append({"dataset": name, "method": method, "k": k, "prompts": len(ps),
+                             "acceptance_length": st.acceptance_length,
+                             "per_position_acceptance": [a / st.num_drafts for a in st.num_accepted_tokens_per_pos]
+                             if st.num_drafts else [],
+                             "tokens_per_s": toks / secs, "steps": llm.engine.num_steps, "output_tokens": toks,
+                             "identical_to_plain": sum(o.outputs[0].token_ids == r for o, r in zip(outs, plain[name]))})
+                print(json.dumps(rows[-1]), flush=True)
+                llm.engine.stats, llm.engine.num_steps = type(st)(), 0
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [f"# Tiny pair: held-out acceptance and CPU speed", "",
+             f"Machine: {meta['machine']}; torch {meta['torch']}; {meta['date']}.", "",
+             f"Command: `{meta['command']}`", "",
+             "| dataset | method | K | acceptance length | per-position acceptance | steps / token | tok/s (CPU) | identical to plain |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        per = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) or "-"
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['k']} | {r['acceptance_length']:.2f} | {per} | "
+                     f"{r['steps'] / max(r['output_tokens'], 1):.3f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['identical_to_plain']}/{r['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    import sys
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default=str(Path(__file__).resolve().parents[2] / "peagle_core/assets/tiny"))
+    ap.add_argument("--prompts", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default="docs/benchmarks/tiny_pair")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    rows = evaluate(Path(args.pair), args.prompts, args.max_tokens, device=args.device, max_num_seqs=64,
+                    max_model_len=1024)
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "command": "python " + " ".join(sys.argv)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    out.with_suffix(".md").write_text(markdown(rows, meta))
+    print(markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()
