@@ -40,6 +40,8 @@ class DeploymentOptions(_Strict):
     graceful_shutdown_timeout_s: float = Field(default=20.0, gt=0)
     request_router_config: dict[str, Any] | None = None
     max_constructor_retry_count: int | None = Field(default=None, ge=1)
+    # tensor_parallel_size > 1: each replica reserves one placement-group bundle per rank (docs/tensor_parallel.md)
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
 
     @model_validator(mode="after")
     def _one_sizing(self) -> "DeploymentOptions":
@@ -106,14 +108,36 @@ class AppSettings(_Strict):
         return None
 
     def engine_actor_options(self) -> dict[str, Any]:
-        """Resources of one engine replica: all its tensor-parallel GPUs, or one CPU on a laptop."""
+        """Resources of the replica actor itself (tensor-parallel rank 0): one GPU, or one CPU on a laptop.
+        With tensor_parallel_size > 1 the other ranks get theirs from `engine_placement_bundles`."""
         if self.deployment.ray_actor_options is not None:
             return dict(self.deployment.ray_actor_options)
         cfg = self.engine
         on_gpu = (cfg.device or "cpu").startswith("cuda")
         if on_gpu:
-            return {"num_gpus": cfg.tensor_parallel_size, "num_cpus": 2}
+            return {"num_gpus": 1, "num_cpus": 2}
         return {"num_cpus": 1}
+
+    def engine_placement_bundles(self) -> list[dict[str, float]] | None:
+        """tensor_parallel_size N > 1: one bundle per rank. Bundle 0 holds the replica actor (rank 0, sized by
+        its ray_actor_options); bundles 1..N-1 hold one worker each (a GPU and a CPU, or a CPU on a laptop)."""
+        cfg = self.engine
+        n = cfg.tensor_parallel_size
+        if n == 1:
+            return None
+        actor = self.engine_actor_options()
+        on_gpu = (cfg.device or "cpu").startswith("cuda")
+        if on_gpu and actor.get("num_gpus", 0) != 1:
+            raise ValueError(f"invalid serve args: with tensor_parallel_size={n} the replica actor is rank 0 and holds "
+                             f"one GPU (its {n - 1} workers get one each from the placement group); set "
+                             f"deployment.ray_actor_options.num_gpus to 1, not {actor.get('num_gpus', 0)}")
+        first = {"CPU": float(actor.get("num_cpus", 1)), **{k: float(v) for k, v in (actor.get("resources") or {}).items()}}
+        if actor.get("num_gpus"):
+            first["GPU"] = float(actor["num_gpus"])
+        if actor.get("memory"):
+            first["memory"] = float(actor["memory"])
+        worker = {"CPU": 1.0, "GPU": 1.0} if on_gpu else {"CPU": 1.0}
+        return [{k: v for k, v in first.items() if v > 0}] + [dict(worker) for _ in range(n - 1)]
 
     def engine_deployment_options(self) -> dict[str, Any]:
         """Keyword arguments for `EngineReplica.options(...)`."""
@@ -135,6 +159,10 @@ class AppSettings(_Strict):
             opts["request_router_config"] = dict(d.request_router_config)
         if d.max_constructor_retry_count is not None:
             opts["max_constructor_retry_count"] = d.max_constructor_retry_count
+        bundles = self.engine_placement_bundles()
+        if bundles is not None:  # Serve creates the group per replica and starts the replica in bundle 0
+            opts["placement_group_bundles"] = bundles
+            opts["placement_group_strategy"] = d.placement_group_strategy
         return opts
 
     def router_deployment_options(self) -> dict[str, Any]:

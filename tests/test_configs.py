@@ -84,8 +84,9 @@ def test_gpu_configs_use_the_published_models(name, target, head, k):
     assert cfg.model == target and cfg.speculative_config.model == head
     assert cfg.spec_mode == "peagle" and cfg.num_spec_tokens in k
     assert cfg.device == "cuda"
-    # One replica owns exactly its tensor-parallel GPUs.
-    assert s.engine_actor_options()["num_gpus"] == cfg.tensor_parallel_size
+    # One replica owns exactly its tensor-parallel GPUs (rank 0's in ray_actor_options, the others' in bundles).
+    bundles = s.engine_placement_bundles() or [{"GPU": s.engine_actor_options()["num_gpus"]}]
+    assert sum(b.get("GPU", 0) for b in bundles) == cfg.tensor_parallel_size
     ac = s.deployment.autoscaling_config
     assert ac["max_replicas"] > ac["min_replicas"] >= 1
     assert ac["target_ongoing_requests"] <= s.engine_deployment_options()["max_ongoing_requests"]
@@ -110,7 +111,9 @@ def test_deployment_defaults_follow_the_engine_args():
     s = parse_app_args({"model": "m", "device": "cuda", "tensor_parallel_size": 4, "max_num_seqs": 48})
     opts = s.engine_deployment_options()
     assert opts["max_ongoing_requests"] == 48  # the batch a replica sees is bounded by the engine's
-    assert opts["ray_actor_options"]["num_gpus"] == 4
+    assert opts["ray_actor_options"]["num_gpus"] == 1  # rank 0; ranks 1..3 in the replica's placement group
+    assert sum(b["GPU"] for b in opts["placement_group_bundles"]) == 4
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
     assert opts["num_replicas"] == 1
     assert parse_app_args({"model": "tiny"}).engine_actor_options() == {"num_cpus": 1}
 

@@ -90,7 +90,10 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop died: {type(self._fatal).__name__}: {self._fatal}")
         if not self._thread.is_alive():
             raise EngineDeadError("engine loop is not running")
-        busy = self.engine.has_work() or self._inbox
+        try:
+            busy = self.engine.has_work() or self._inbox
+        except Exception as e:  # e.g. a tensor-parallel worker died: dead, though the loop may not know yet
+            raise EngineDeadError(f"engine is dead: {type(e).__name__}: {e}") from e
         if busy and time.monotonic() - self._last_progress > self.stall_timeout_s:
             raise EngineDeadError(f"engine made no progress for {self.stall_timeout_s:.0f} s")
 
@@ -104,6 +107,8 @@ class AsyncLLM:
         self._thread.join(timeout_s)
         for rid in list(self._streams):
             self._deliver(rid, EngineError("engine shut down"))
+        if not self._thread.is_alive():  # never while a step may still be talking to the workers
+            self.engine.shutdown()       # tensor-parallel workers stop now (a no-op at TP=1)
 
     # ------------------------------------------------------------------------------------------
 

@@ -257,6 +257,7 @@ class LLMEngine:
             "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
             "speculation_depth": self.last_k, "speculation_mode": self.mode, "policy": self.policy.describe(),
+            "tensor_parallel": self.tp.describe(),
             "spec": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                      "num_accepted_tokens": s.num_accepted_tokens,
                      "num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos),

@@ -142,8 +142,9 @@ class Communicator:
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, host: str, timeout_s: float):
         self.rank, self.world, self.device = rank, world, device
-        self.ctrl = _gloo(dist.PrefixStore("ctrl", store), rank, world, host, IDLE)
         timeout = dt.timedelta(seconds=timeout_s)
+        self.ctrl = _gloo(dist.PrefixStore("ctrl", store), rank, world, host, timeout)  # bounded rendezvous
+        self.ctrl._set_default_timeout(IDLE)
         if device.type == "cuda":
             self.compute = _nccl(dist.PrefixStore("compute", store), rank, world, timeout)
         else:
@@ -430,6 +431,9 @@ class SingleDevice:
     def check_alive(self) -> None:
         pass
 
+    def describe(self) -> dict:
+        return {"size": 1}
+
     def shutdown(self) -> None:
         pass
 
@@ -457,10 +461,12 @@ class TPWorkerGroup:
         spec = WorkerSpec(cfg, dtype, devices, host, self.store.port, None if pg is not None else host,
                           self.timeout_s, torch.get_num_threads(), triton_enabled())
         self.workers = RayWorkers(spec, pg) if pg is not None else ProcessWorkers(spec)
+        self.devices, self.launcher = devices, "ray_actors" if pg is not None else "processes"
         self._finalizer = weakref.finalize(self, self.workers.kill)  # never leave workers behind
         try:
             hello = [f"hello/{r}" for r in range(1, n)]
             self._wait(lambda: self.store.check(hello), "start", self.timeout_s)
+            self.worker_pids = [int(self.store.get(k)) for k in hello]  # for operators (and tests) on one node
             self.comm = Communicator(self.store, 0, n, torch.device(devices[0]), host, self.timeout_s)
         except BaseException:
             self.shutdown()
@@ -490,6 +496,10 @@ class TPWorkerGroup:
                 self.broken = "tensor-parallel worker " + "; ".join(dead)
         if self.broken is not None:
             raise TPError(f"{self.broken}; the engine cannot continue (tensor_parallel_size={self.world_size})")
+
+    def describe(self) -> dict:
+        return {"size": self.world_size, "workers": self.launcher, "devices": self.devices,
+                "worker_pids": self.worker_pids, "healthy": self.broken is None and not self.closed}
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         try:

@@ -1,0 +1,278 @@
+"""Tensor parallelism on CPU (gloo): TP=2 generates exactly what TP=1 does, and fails loudly.
+
+The checkpoint has MXFP4 experts, so each rank slices its experts out of the dequantised tensors.
+Engines with workers start once per module (a spawned worker costs a few seconds to import torch).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from peagle_core import LLM, SamplingParams
+from peagle_core.engine import tp
+from peagle_core.engine.model_runner import StepResult
+from peagle_core.engine.tp import TPError, target_shard
+from peagle_core.loading.checkpoint import load_target
+from peagle_core.models.layers import ForwardMeta
+from peagle_core.testing import build_drafter, build_target, tiny_target_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7, 7, 7], list(range(100, 113))]
+# Small budgets so that TP=2 also sees chunked prefill, requests joining mid-flight and preemption.
+TIGHT = dict(max_num_batched_tokens=16, num_gpu_blocks=16, block_size=4, max_num_seqs=3, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp")
+    cfg = tiny_target_config()  # heads 4, KV heads 2, intermediate 64: all divide by 2
+    build_target(d / "target", cfg, seed=0, mxfp4=True, scale=4.0)
+    build_drafter(d / "peagle", cfg, parallel=True)
+    build_drafter(d / "eagle3", cfg, parallel=False)
+    return {"target": str(d / "target"), "peagle": str(d / "peagle"), "eagle3": str(d / "eagle3"), "config": cfg}
+
+
+def spec(ckpt, mode: str, k: int = 3) -> dict | None:
+    """"none", "peagle", "eagle3", or "peagle-adaptive" (whose start-up profile runs target forwards too)."""
+    if mode == "none":
+        return None
+    head = mode.split("-")[0]
+    return {"method": "eagle3", "model": ckpt[head], "num_speculative_tokens": k, "parallel_drafting": head == "peagle",
+            "adaptive": mode.endswith("adaptive")}
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    llm = LLM(ckpt["target"], device="cpu")
+    return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+
+
+def oracle_drafts(llm: LLM, reference: dict, corrupt: float, seed: int = 0) -> None:
+    """Rank 0's drafts become the true continuation, randomly corrupted: every acceptance length and
+    rollback happens, and the workers (which never see drafts) must still follow."""
+    runner, rng = llm.engine.runner, random.Random(seed)
+    execute = runner.execute
+
+    def patched(batch, *a, **kw):
+        res: StepResult = execute(batch, *a, **kw)
+        for i, s in enumerate(batch):
+            if s.samples:
+                r = s.req
+                done = r.token_ids[:r.num_computed + s.num_new] + res.tokens[i]
+                ref = list(r.prompt_token_ids) + reference[tuple(r.prompt_token_ids)]
+                nxt = (ref[len(done):len(done) + runner.K] + [0] * runner.K)[:runner.K]
+                res.drafts[i] = [t if rng.random() > corrupt else (t + 1) % 256 for t in nxt]
+        return res
+
+    runner.execute = patched
+
+
+def run_staggered(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    eng, reqs, pending = llm.engine, {}, list(enumerate(PROMPTS))
+    while pending or eng.has_work():
+        if pending and (eng.num_steps % 2 == 0 or not eng.has_work()):
+            i, p = pending.pop(0)
+            reqs[i] = eng.add_request(f"r{i}", p, params)
+        eng.step()
+    return [reqs[i].output_ids for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def tp2(ckpt):
+    """TP=2 engines by speculation mode, shut down (and checked to be gone) at the end of the module."""
+    engines: dict[str, LLM] = {}
+
+    def get(mode: str) -> LLM:
+        if mode not in engines:
+            engines[mode] = LLM(ckpt["target"], device="cpu", tensor_parallel_size=2,
+                                speculative_config=spec(ckpt, mode), **TIGHT)
+        return engines[mode]
+
+    yield get
+    for llm in engines.values():
+        procs = list(llm.engine.tp.workers.procs.values())
+        llm.engine.shutdown()
+        assert all(p.exitcode == 0 for p in procs), "workers should leave cleanly on shutdown"
+
+
+# --------------------------------------------------------------------------------------------
+# Sharding, in one process
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shards_sum_to_the_full_layer(tmp_path, world):
+    """Loading each rank's shard from an MXFP4 checkpoint and summing the partial attention and MoE
+    outputs over ranks gives the unsharded layer's outputs (biases counted once)."""
+    cfg = tiny_target_config(num_attention_heads=8, num_key_value_heads=4)
+    build_target(tmp_path, cfg, seed=3, mxfp4=True)
+    full = load_target(tmp_path, torch.float32, "cpu")
+    shards = [load_target(tmp_path, torch.float32, "cpu", world, target_shard(cfg, r, world)) for r in range(world)]
+    assert shards[1].model.layers[0].self_attn.num_heads == 8 // world
+    assert shards[1].model.layers[0].mlp.experts.w1.shape[1] == 2 * 64 // world
+    x = torch.randn(11, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    meta = ForwardMeta.for_sequences([4, 7])
+    for i in range(cfg.num_hidden_layers):
+        want_attn = full.model.layers[i].self_attn(x, meta)
+        got_attn = sum(s.model.layers[i].self_attn(x, meta) for s in shards)
+        torch.testing.assert_close(got_attn, want_attn, rtol=1e-5, atol=1e-5)
+        want_moe = full.model.layers[i].mlp(x)
+        got_moe = sum(s.model.layers[i].mlp(x) for s in shards)
+        torch.testing.assert_close(got_moe, want_moe, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# TP=2 == TP=1
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["none", "peagle", "eagle3", "peagle-adaptive"])
+def test_tp2_greedy_equals_tp1(ckpt, reference, tp2, mode):
+    llm = tp2(mode)
+    if mode.endswith("adaptive"):  # its start-up profile ran target forwards on every rank
+        assert type(llm.engine.policy).__name__ == "AdaptiveDepth"
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in out] == [reference[tuple(p)] for p in PROMPTS]
+    if mode in ("peagle", "eagle3"):  # the same drafter on the same inputs: identical proposals and acceptance
+        one = LLM(ckpt["target"], device="cpu", speculative_config=spec(ckpt, mode), **TIGHT)
+        want = [o.spec_decode_stats for o in one.generate(PROMPTS, GREEDY)]
+        assert [o.spec_decode_stats for o in out] == want
+        assert want[0].num_drafts > 0
+
+
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+def test_tp2_partial_acceptance_joins_and_preemption(reference, tp2, mode):
+    llm = tp2(mode)
+    oracle_drafts(llm, reference, corrupt=0.25, seed=1)
+    preempted, s0 = llm.engine.scheduler.num_preemptions, copy.deepcopy(llm.engine.stats)
+    try:
+        outs = run_staggered(llm, GREEDY)
+    finally:
+        llm.engine.runner.__dict__.pop("execute", None)  # back to the real proposals for other tests
+    assert outs == [reference[tuple(p)] for p in PROMPTS]
+    assert llm.engine.scheduler.num_preemptions > preempted
+    s1 = llm.engine.stats
+    assert 1 + (s1.num_accepted_tokens - s0.num_accepted_tokens) / (s1.num_drafts - s0.num_drafts) > 1.5
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks
+
+
+def test_tp2_seeded_sampling_equals_tp1(ckpt, tp2):
+    """Sampling happens on rank 0 only, from the same generator: the same tokens as TP=1."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=s, ignore_eos=True) for s in range(4)]
+    want = LLM(ckpt["target"], device="cpu", speculative_config=spec(ckpt, "peagle"), **TIGHT).generate(PROMPTS, params)
+    got = tp2("peagle").generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input and failures
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,needle", [(3, "num_attention_heads=4"), (4, "num_key_value_heads=2")])
+def test_tensor_parallel_size_must_divide_the_model(ckpt, n, needle):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={n} must divide.*{needle}"):
+        LLM(ckpt["target"], device="cpu", tensor_parallel_size=n)
+    assert time.monotonic() - t0 < 5  # refused before any worker starts
+
+
+def test_more_ranks_than_gpus_or_bundles_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 needs 4 GPUs .* only 2 are visible"):
+        tp.rank_devices(torch.device("cuda"), 4, in_ray=False)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs \(cuda:1..cuda:2\)"):
+        tp.rank_devices(torch.device("cuda:1"), 2, in_ray=False)
+    assert tp.rank_devices(torch.device("cuda"), 2, in_ray=False) == ["cuda:0", "cuda:1"]
+    assert tp.rank_devices(torch.device("cuda"), 2, in_ray=True) == ["cuda", "cuda:0"]
+    with pytest.raises(ValueError, match="placement group of 2 bundles"):
+        tp.check_bundles([{"CPU": 1}], 2, cuda=False)
+    with pytest.raises(ValueError, match="must each hold a GPU"):
+        tp.check_bundles([{"GPU": 1}, {"CPU": 1}], 2, cuda=True)
+
+
+def test_killed_worker_fails_generate_fast_and_for_good(ckpt, monkeypatch):
+    monkeypatch.setenv("PEAGLE_TP_TIMEOUT_S", "2")  # bounds collectives, never idling
+    llm = LLM(ckpt["target"], device="cpu", tensor_parallel_size=2)
+    group = llm.engine.tp
+    first = llm.generate([1, 2, 3], GREEDY)[0].outputs[0].token_ids
+    time.sleep(3)  # idle for longer than the collective timeout: the workers must still be there
+    assert llm.generate([1, 2, 3], GREEDY)[0].outputs[0].token_ids == first
+    worker = group.workers.procs[1]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    t0 = time.monotonic()
+    with pytest.raises(TPError, match=r"worker rank 1 \(pid \d+\) exited with code -9.*cannot continue"):
+        llm.generate([4, 5, 6], GREEDY)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(TPError):  # dead for good: every later call says so
+        llm.engine.has_work()
+    llm.engine.shutdown()
+
+
+def test_worker_dying_inside_a_collective_is_named(ckpt, monkeypatch):
+    """Skip the per-step liveness check: the broadcast to a dead peer fails and the error names it."""
+    llm = LLM(ckpt["target"], device="cpu", tensor_parallel_size=2)
+    group = llm.engine.tp
+    worker = group.workers.procs[1]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(10)
+    monkeypatch.setattr(group, "check_alive", lambda: None)
+    t0 = time.monotonic()
+    with pytest.raises(TPError, match=r"tensor-parallel step broadcast failed \(rank 1 .*exited with code -9\)"):
+        llm.engine.add_request("x", [1, 2, 3], GREEDY)
+        llm.engine.step()
+    assert time.monotonic() - t0 < 10
+    assert not llm.engine.requests  # the batch's requests were finished with an error
+    llm.engine.shutdown()
+
+
+def test_async_engine_reports_a_dead_worker_unhealthy(ckpt):
+    """AsyncLLM.check_health fails (so Ray Serve replaces the replica) and open streams end with an error."""
+    import asyncio
+
+    from peagle_core.config import parse_engine_config
+    from peagle_core.engine.async_llm import AsyncLLM, EngineDeadError
+
+    llm = AsyncLLM(parse_engine_config(model=ckpt["target"], device="cpu", tensor_parallel_size=2))
+    try:
+        llm.check_health()
+        worker = llm.engine.tp.workers.procs[1]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        deadline = time.monotonic() + 5
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            while time.monotonic() < deadline:
+                llm.check_health()
+                time.sleep(0.05)
+
+        async def one():
+            async for _ in llm.generate([1, 2, 3], GREEDY, "after-death"):
+                pass
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(asyncio.wait_for(one(), 10))
+    finally:
+        llm.shutdown()
+        llm.engine.shutdown()
+
+
+def test_parallel_bench_compares_tp1_and_tp2(tmp_path):
+    """The GPU benchmark's code path, at the tiny shape on CPU: tokens agree and figures are written."""
+    import json
+
+    from peagle_core.parallel_bench import main
+
+    main(["--shape", "tiny", "--layers", "2", "--tp", "2", "--device", "cpu", "--batch-sizes", "1,2", "--context", "8",
+          "--steps", "2", "--warmup", "1", "--tokens", "6", "--kv-gb", "0.01", "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "summary.json").read_text())
+    assert r["greedy_agreement"]["identical"] and r["greedy_agreement"]["agreeing_prefix"] == [6, 6, 6, 6]
+    assert [d["batch"] for d in r["runs"]["tp2"]["decode"]] == [1, 2]
+    assert r["runs"]["tp2"]["weights_gb_per_rank"] < r["runs"]["tp1"]["weights_gb_per_rank"]
+    assert "| 2 |" in (tmp_path / "summary.md").read_text()
