@@ -28,7 +28,8 @@ from ray import serve
 from cluster.harmony import ChatDecoder, HarmonyParser, supports_harmony
 from cluster.settings import AppSettings
 from cluster.stats_board import lookup_board
-from cluster.telemetry import ReplicaMetrics, extract_context, finished_spans, setup_tracing, tracer
+from cluster.telemetry import (ReplicaMetrics, extract_context, finished_spans, setup_tracing,
+                               speculation_span_attributes, tracer)
 
 log = logging.getLogger("peagle.cluster")
 
@@ -389,6 +390,8 @@ def _span_stats(span, out, queue_s: float | None) -> None:
         span.set_attribute("peagle.spec.num_accepted_tokens", s.num_accepted_tokens)
         span.set_attribute("peagle.spec.acceptance_length", float(s.acceptance_length))
         span.set_attribute("peagle.spec.num_accepted_tokens_per_pos", list(s.num_accepted_tokens_per_pos))
+        for key, value in speculation_span_attributes(s, m.get("num_generated_tokens")).items():
+            span.set_attribute(key, value)  # mean depth k over the request's steps, acceptance rate
 
 
 async def _close_quietly(agen) -> None:

@@ -23,6 +23,8 @@ log = logging.getLogger("peagle.cluster")
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
                    40.0, 80.0]
 TPOT_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5]
+# Tokens one request gets from one verify step (accepted drafts + 1): bucket n holds exactly n up to 8.
+TOKENS_PER_VERIFY_BUCKETS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 33]
 
 
 class ReplicaMetrics:
@@ -61,6 +63,29 @@ class ReplicaMetrics:
         self.accepted_pos = Counter("peagle_spec_decode_num_accepted_tokens_per_pos_total",
                                     "Draft tokens accepted at each position", tag_keys=keys + ("position",))
         self.preemptions = Counter("peagle_num_preemptions_total", "Requests preempted for KV space", tag_keys=keys)
+        # The depth policy (speculative decoding): the chosen k, its inputs, predicted vs realised.
+        self.depth_steps = Counter("peagle_speculation_steps_total", "Decode steps by the speculation depth k chosen",
+                                   tag_keys=keys + ("k",))
+        self.depth_mean = Gauge("peagle_speculation_depth_mean", "Mean k over the decode steps of the last poll "
+                                "interval", tag_keys=keys)
+        self.policy_batch = Gauge("peagle_speculation_policy_batch_size", "Requests verifying in the step of the "
+                                  "policy's last choice (its batch-size input)", tag_keys=keys)
+        self.accept_est = Gauge("peagle_speculation_acceptance_estimate", "The policy's conditional acceptance "
+                                "estimate per draft position (1-based)", tag_keys=keys + ("position",))
+        self.pred_tokens = Gauge("peagle_speculation_predicted_tokens_per_step", "Tokens per decode step the "
+                                 "policy predicted for its choices (poll-interval mean)", tag_keys=keys)
+        self.real_tokens = Gauge("peagle_speculation_realized_tokens_per_step", "Tokens per decode step emitted "
+                                 "(poll-interval mean)", tag_keys=keys)
+        self.pred_step = Gauge("peagle_speculation_predicted_step_seconds", "Step time the policy predicted for "
+                               "its choices (poll-interval mean)", tag_keys=keys)
+        self.meas_step = Gauge("peagle_speculation_measured_step_seconds", "Measured decode step time "
+                               "(poll-interval mean)", tag_keys=keys)
+        self.pred_goodput = Gauge("peagle_speculation_predicted_tokens_per_second", "Goodput the policy predicted "
+                                  "for its last choice", tag_keys=keys)
+        self.tokens_per_verify = Histogram("peagle_speculation_tokens_per_request_step", "Tokens one request "
+                                           "received from one decode step (accepted drafts + 1)",
+                                           boundaries=TOKENS_PER_VERIFY_BUCKETS, tag_keys=keys)
+        self._last_policy: dict[str, float] = {}
         self._last: dict[str, Any] = {}
         self._touched_positions = 0
         for c in (self.drafts, self.draft_tokens, self.accepted, self.preemptions, self.tokens_out, self.tokens_in):
@@ -147,6 +172,79 @@ class ReplicaMetrics:
         # Copies: the engine may hand out its live lists.
         self._last = {k: list(v) if isinstance(v, list) else v for k, v in spec.items()}
         self._last["num_preemptions"] = stats.get("num_preemptions", 0)
+        if stats.get("policy"):
+            self._poll_policy(dict(stats["policy"]))
+
+    def _poll_policy(self, p: dict[str, float]) -> None:
+        """The depth policy's `describe()`: last-choice inputs as gauges, its cumulative tally as
+        counters / a histogram (by difference) and poll-interval means."""
+        t, last = self.tags, self._last_policy
+        delta = {key: float(v) - float(last.get(key, 0.0)) for key, v in p.items()
+                 if key.startswith(("steps_at_k.", "tokens_per_verify.")) or key in _TALLY_KEYS}
+        for key, d in delta.items():
+            if d <= 0:
+                continue
+            if key.startswith("steps_at_k."):
+                self.depth_steps.inc(d, tags=t | {"k": key.split(".", 1)[1]})
+                self._add(f"speculation_steps_total.{key.split('.', 1)[1]}", d)
+            elif key.startswith("tokens_per_verify."):
+                n = float(key.split(".", 1)[1])
+                for _ in range(int(d)):  # one observation per request-step, exactly as counted
+                    self.tokens_per_verify.observe(n, tags=t)
+                self._add(f"tokens_per_request_step.{key.split('.', 1)[1]}", d)
+
+        def interval_mean(num: str, den: str) -> float | None:
+            n, m = delta.get(num, 0.0), delta.get(den, 0.0)
+            return n / m if m > 0 else None
+
+        gauges = {
+            "speculation_depth_mean": (self.depth_mean, interval_mean("depth_sum", "steps")),
+            "speculation_realized_tokens_per_step": (self.real_tokens, interval_mean("realized_tokens", "steps")),
+            "speculation_predicted_tokens_per_step": (self.pred_tokens,
+                                                      interval_mean("predicted_tokens", "predicted_steps")),
+            "speculation_predicted_step_seconds": (self.pred_step,
+                                                   interval_mean("predicted_step_seconds", "predicted_steps")),
+            "speculation_measured_step_seconds": (self.meas_step, interval_mean("step_seconds", "steps")),
+            "speculation_policy_batch_size": (self.policy_batch, p.get("batch")),
+            "speculation_predicted_tokens_per_second": (self.pred_goodput, p.get("predicted_tokens_per_s")),
+        }
+        for name, (gauge, v) in gauges.items():
+            if v is not None:
+                gauge.set(float(v), tags=t)
+                self._set(name, v)
+        for key, v in p.items():
+            if key.startswith("accept_rate_"):
+                pos = key[len("accept_rate_"):]
+                self.accept_est.set(float(v), tags=t | {"position": pos})
+                self._set(f"speculation_acceptance_estimate.{pos}", v)
+        self._last_policy = p
+
+
+_TALLY_KEYS = ("steps", "depth_sum", "realized_tokens", "step_seconds", "predicted_steps", "predicted_tokens",
+               "predicted_step_seconds")
+
+
+def speculation_span_attributes(spec: Any, num_generated: int | None) -> dict[str, float | int]:
+    """A request's depth and acceptance for its engine span, from its `SpecDecodeStats`.
+
+    The request's stats count only steps that verified drafts, so `peagle.spec.mean_depth` (k averaged
+    over all its decode steps, k = 0 included) takes the decode-step count from the tokens: the first
+    token comes from the prefill and each decode step emits accepted + 1, so steps = generated - 1 -
+    accepted (exact unless the request was preempted or stopped inside an accepted run).
+    """
+    out: dict[str, float | int] = {}
+    if spec is None:
+        return out
+    if spec.num_draft_tokens:
+        out["peagle.spec.acceptance_rate"] = spec.num_accepted_tokens / spec.num_draft_tokens
+    if spec.num_drafts:
+        out["peagle.spec.mean_depth_verifying"] = spec.num_draft_tokens / spec.num_drafts
+    if num_generated:
+        steps = max(int(num_generated) - 1 - spec.num_accepted_tokens, spec.num_drafts)
+        if steps > 0:
+            out["peagle.spec.decode_steps"] = steps
+            out["peagle.spec.mean_depth"] = spec.num_draft_tokens / steps
+    return out
 
 
 def _touch(counter: Counter, tags: dict[str, str]) -> None:

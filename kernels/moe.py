@@ -3,6 +3,11 @@
 Expert weights are out-major like `nn.Linear` (and like the MXFP4 blocks on disk):
 `w1 [E, 2I, H]` (row 2c = gate channel c, row 2c+1 = up channel c), `b1 [E, 2I]`,
 `w2 [E, H, I]`, `b2 [E, H]`. The down bias is added per expert before gate weighting.
+
+`moe_mxfp4` is the same op with the expert matrices kept packed as MXFP4 (OCP microscaling, as on
+disk): `w1_blocks [E, 2I, H/32, 16]` + `w1_scales [E, 2I, H/32]`, `w2_blocks [E, H, I/32, 16]` +
+`w2_scales [E, H, I/32]`, all uint8 (two FP4 E2M1 codes a byte, low nibble first; one E8M0 scale
+per 32 weights along the input dimension). Biases stay in the activation dtype.
 """
 from __future__ import annotations
 
@@ -43,3 +48,67 @@ def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit) -> torch
         y = torch.nn.functional.linear(h, w2[e], b2[e])
         out.index_add_(0, tok, (y * gates[tok, slot, None]).to(x.dtype))
     return out
+
+
+def moe_mxfp4(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
+              w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
+              b2: torch.Tensor, top_k: int, alpha: float, limit: float) -> torch.Tensor:
+    """`moe` over packed MXFP4 experts: x [T, H] -> [T, H]."""
+    if use_triton(x):
+        from kernels.triton_moe_mxfp4 import moe_mxfp4_triton
+        return moe_mxfp4_triton(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2,
+                                top_k, alpha, limit)
+    return moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit)
+
+
+def moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit
+                  ) -> torch.Tensor:
+    """Dequantize, then `moe_ref`. Experts are unpacked one at a time as `moe_ref` reads them, so only
+    the experts a batch selects are ever expanded (never the layer's whole bf16 weights)."""
+    check_moe_shapes(x, router_w, router_b, mxfp4_shape(w1_blocks, w1_scales, "w1"), b1,
+                     mxfp4_shape(w2_blocks, w2_scales, "w2"), b2, top_k, "w1_blocks", "w2_blocks")
+    w1 = _UnpackedExperts(w1_blocks, w1_scales, x.dtype)
+    w2 = _UnpackedExperts(w2_blocks, w2_scales, x.dtype)
+    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit)
+
+
+class _UnpackedExperts:
+    """`w[e]`: expert e's matrix dequantised from its MXFP4 blocks and scales (all `moe_ref` asks of w1/w2)."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        self.blocks, self.scales, self.dtype = blocks, scales, dtype
+
+    def __getitem__(self, e: int) -> torch.Tensor:
+        # The format lives with the checkpoint loader; imported here because peagle_core imports kernels.
+        from peagle_core.loading.mxfp4 import dequantize
+        return dequantize(self.blocks[e], self.scales[e], self.dtype)
+
+
+def mxfp4_shape(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> tuple[int, ...]:
+    """The dense shape [E, N, K] that packed `blocks [E, N, K/32, 16]` and `scales [E, N, K/32]` hold."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"moe: {name}_blocks and {name}_scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ValueError(f"moe: {name}_blocks must be [E, N, K/32, 16] with {name}_scales [E, N, K/32], got "
+                         f"{list(blocks.shape)} and {list(scales.shape)}")
+    return (*blocks.shape[:2], blocks.shape[2] * 32)
+
+
+def check_moe_shapes(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_shape: tuple[int, ...],
+                     b1: torch.Tensor, w2_shape: tuple[int, ...], b2: torch.Tensor, top_k: int,
+                     w1_name: str = "w1", w2_name: str = "w2") -> None:
+    """ValueError naming the first tensor whose shape does not fit x [T, H] and the dense expert
+    shapes w1 [E, 2I, H], w2 [E, H, I] (for packed weights: the shapes they unpack to)."""
+    if x.dim() != 2:
+        raise ValueError(f"moe: x must be [T, H], got {tuple(x.shape)}")
+    H = x.shape[1]
+    if len(w1_shape) != 3 or w1_shape[2] != H or w1_shape[1] % 2:
+        raise ValueError(f"moe: {w1_name} must be [E, 2I, {H}], got {tuple(w1_shape)}")
+    E, two_i, _ = w1_shape
+    checks = {"router_w": (router_w.shape, (E, H)), "router_b": (router_b.shape, (E,)), "b1": (b1.shape, (E, two_i)),
+              w2_name: (w2_shape, (E, H, two_i // 2)), "b2": (b2.shape, (E, H))}
+    for name, (got, shape) in checks.items():
+        if tuple(got) != shape:
+            raise ValueError(f"moe: {name} must be {list(shape)}, got {list(got)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"moe: top_k={top_k} must be in [1, {E}]")

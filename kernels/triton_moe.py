@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import route
+from kernels.moe import check_moe_shapes, route
 from kernels.triton_attention import segment_of_tile
 
 
@@ -38,6 +38,30 @@ def _expert_rows(offsets_ptr, num_experts, BLOCK_M: tl.constexpr):
     end = tl.load(offsets_ptr + e + 1)
     first = begin + (tl.program_id(0) - (begin // BLOCK_M + e)) * BLOCK_M
     return e, first, end
+
+
+@triton.jit
+def _swiglu_store(acc_gate, acc_up, b_row, h_ptr, stride_ht, rows, row_ok, cols, col_ok, alpha, limit):
+    """Up-projection epilogue: add the gate/up biases (b_row: this expert's b1, interleaved), clamp,
+    SwiGLU with the +1 on the linear branch, store h at the sorted rows."""
+    gate = acc_gate + tl.load(b_row + 2 * cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    up = acc_up + tl.load(b_row + 2 * cols + 1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _weighted_store(acc, b_row, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok):
+    """Down-projection epilogue: add this expert's b2 (b_row), weight by the pair's gate, store at the
+    pair's own (token-major) row, which un-permutes."""
+    bias = tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+    gate = tl.load(gates_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    y = (acc + bias[None, :]) * gate[:, None]
+    tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -71,14 +95,8 @@ def _moe_up_kernel(x_ptr, w1_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
         acc_gate = tl.dot(a, w_gate.to(a.dtype), acc_gate, input_precision=DOT_PREC)
         acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=DOT_PREC)
 
-    b_row = b1_ptr + e.to(tl.int64) * stride_be
-    gate = acc_gate + tl.load(b_row + 2 * cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    up = acc_up + tl.load(b_row + 2 * cols + 1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    _swiglu_store(acc_gate, acc_up, b1_ptr + e.to(tl.int64) * stride_be, h_ptr, stride_ht, rows, row_ok, cols, col_ok,
+                  alpha, limit)
 
 
 @triton.jit
@@ -105,11 +123,7 @@ def _moe_down_kernel(h_ptr, w2_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets
         w = tl.load(w_rows + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
 
-    bias = tl.load(b2_ptr + e.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-    gate = tl.load(gates_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    y = (acc + bias[None, :]) * gate[:, None]
-    tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    _weighted_store(acc, b2_ptr + e.to(tl.int64) * stride_be, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
 
 
 @triton.jit
@@ -177,27 +191,31 @@ def moe_tiles(num_tokens: int, top_k: int) -> MoeTiles:
     return MoeTiles(128, 64, 128, 64, 8, 3)
 
 
-def _check_moe_inputs(x, router_w, router_b, w1, b1, w2, b2, top_k):
-    if x.dim() != 2:
-        raise ValueError(f"moe: x must be [T, H], got {tuple(x.shape)}")
-    H = x.shape[1]
-    if w1.dim() != 3 or w1.shape[2] != H or w1.shape[1] % 2:
-        raise ValueError(f"moe: w1 must be [E, 2I, {H}], got {tuple(w1.shape)}")
-    E, two_i, _ = w1.shape
-    checks = {"router_w": (router_w, (E, H)), "router_b": (router_b, (E,)), "b1": (b1, (E, two_i)),
-              "w2": (w2, (E, H, two_i // 2)), "b2": (b2, (E, H))}
-    for name, (t, shape) in checks.items():
-        if tuple(t.shape) != shape:
-            raise ValueError(f"moe: {name} must be {list(shape)}, got {list(t.shape)}")
-    if not 1 <= top_k <= E:
-        raise ValueError(f"moe: top_k={top_k} must be in [1, {E}]")
+@dataclass(frozen=True)
+class RoutedPairs:
+    """One batch's T*k (token, expert) pairs, routed and sorted by expert, and its launch shapes."""
+
+    gates: torch.Tensor    # [T*k]: the routing weight of pair t*k + j
+    order: torch.Tensor    # [T*k] int32: the pair at each expert-sorted row
+    offsets: torch.Tensor  # [E+1] int32: expert e owns sorted rows [offsets[e], offsets[e+1])
+    tiles: MoeTiles
+    m_tiles: int           # grid size along M: enough tiles for any routing (fixed by T, k and E)
+
+
+def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int) -> RoutedPairs:
+    """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights): route in torch, sort the pairs on device."""
+    T, E = x.shape[0], router_w.shape[0]
+    gates, experts = route(x, router_w, router_b, top_k)
+    order, offsets = sort_pairs_by_expert(experts, E)
+    tiles = moe_tiles(T, top_k)
+    return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, T * top_k // tiles.block_m + E)
 
 
 def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: torch.Tensor,
                b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, top_k: int, alpha: float,
                limit: float) -> torch.Tensor:
     """x [T, H] -> [T, H]."""
-    _check_moe_inputs(x, router_w, router_b, w1, b1, w2, b2, top_k)
+    check_moe_shapes(x, router_w, router_b, tuple(w1.shape), b1, tuple(w2.shape), b2, top_k)
     T, H = x.shape
     E, two_i, _ = w1.shape
     inter = two_i // 2
@@ -208,28 +226,24 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     b1, b2 = b1.contiguous(), b2.contiguous()
 
-    gates, experts = route(x, router_w, router_b, top_k)
-    order, offsets = sort_pairs_by_expert(experts, E)
-    gates = gates.flatten().contiguous()
-    pairs = T * top_k
-    tiles = moe_tiles(T, top_k)
-    m_tiles = pairs // tiles.block_m + E
+    r = route_and_sort(x, router_w, router_b, top_k)
+    tiles = r.tiles
     dot_prec = "ieee" if x.dtype == torch.float32 else "tf32"
 
-    h = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
-    _moe_up_kernel[(m_tiles, triton.cdiv(inter, tiles.up_n))](
-        x, w1, b1, h, order, offsets, E, H, inter, float(alpha), float(limit),
+    h = torch.empty(T * top_k, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
+    _moe_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n))](
+        x, w1, b1, h, r.order, r.offsets, E, H, inter, float(alpha), float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), b1.stride(0), h.stride(0),
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.up_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
-    y = torch.empty(pairs, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
-    _moe_down_kernel[(m_tiles, triton.cdiv(H, tiles.down_n))](
-        h, w2, b2, gates, y, order, offsets, E, H, inter,
+    y = torch.empty(T * top_k, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
+    _moe_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n))](
+        h, w2, b2, r.gates, y, r.order, r.offsets, E, H, inter,
         h.stride(0), w2.stride(0), w2.stride(1), b2.stride(0), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y.view(T, top_k, H).sum(1)  # torch accumulates bf16 sums in fp32
 
 
-__all__ = ["moe_triton", "sort_pairs_by_expert", "moe_tiles", "MoeTiles"]
+__all__ = ["moe_triton", "sort_pairs_by_expert", "moe_tiles", "MoeTiles", "route_and_sort", "RoutedPairs"]

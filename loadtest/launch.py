@@ -175,9 +175,35 @@ class ServeProcess:
                     break
                 except subprocess.TimeoutExpired:
                     continue
-        try:  # leftovers of the group (Ray workers that outlived `serve run`) are ours to end
-            os.killpg(proc.pid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # Ray's replicas run in process groups of their own but stay in our session: end them all, then
+        # wait until the port is closed, so the next server (possibly on the same port) is not confused
+        # with a proxy of this one that is still shutting down.
+        kill_session(proc.pid)
+        wait_closed(self.base_url, timeout_s=30.0)
         self._log.close()
         self.proc = None
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process whose session id is `sid` (Linux /proc; elsewhere the group only)."""
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # fields after the command: state ppid pgrp session ...
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+def wait_closed(base_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            requests.get(base_url + "/health", timeout=1)
+        except requests.RequestException:
+            return
+        time.sleep(0.5)

@@ -3,7 +3,8 @@
     peagle bench --shape 20b --device cuda --out docs/benchmarks
 
 One run, random weights at the real shapes (no checkpoint), medians after warm-up (CUDA events on a
-GPU, perf_counter around a synchronised call on a CPU):
+GPU, perf_counter around a synchronised call on a CPU); on a GPU with the Triton kernels, decode-shaped
+steps replay CUDA graphs (captured in the warm-up) unless `--eager`:
 
   bandwidth  device read bandwidth: a large `.sum()` (bytes read) and a large copy (bytes read + written)
   decode     ModelRunner.execute on synthetic decode batches (bs 1, 8, 32, 64; `--context` tokens already
@@ -42,6 +43,7 @@ from torch import nn
 
 from kernels import set_triton_enabled, triton_enabled, use_triton
 from peagle_core.config import DrafterConfig, GptOssConfig
+from peagle_core.engine.graphs import GraphRunner
 from peagle_core.engine.model_runner import ModelRunner
 from peagle_core.engine.request import Request
 from peagle_core.engine.scheduler import Scheduled
@@ -336,8 +338,11 @@ class Layout:
 
 
 def make_runner(target: GptOss, drafter: Drafter | None, mode: str, k: int, batch: int, layout: Layout,
-                device: torch.device, dtype: torch.dtype, seed: int) -> ModelRunner:
-    """A ModelRunner with room for `batch` requests, its paged caches filled with random K/V."""
+                device: torch.device, dtype: torch.dtype, seed: int, graphs: bool = False) -> ModelRunner:
+    """A ModelRunner with room for `batch` requests, its paged caches filled with random K/V.
+
+    With `graphs`, decode-shaped steps replay CUDA graphs, each captured at its first call (a warm-up call).
+    """
     if drafter is None:
         target.set_aux_layers([])  # a runner with a drafter sets them; a plain decode step computes none
     runner = ModelRunner(target, drafter, mode, k, BLOCK_SIZE, batch * layout.blocks_per_req + 1,
@@ -346,6 +351,8 @@ def make_runner(target: GptOss, drafter: Drafter | None, mode: str, k: int, batc
     for cache in (runner.target_cache, runner.drafter_cache):
         if cache is not None:
             cache.normal_(generator=g)
+    if graphs:
+        runner.graphs = GraphRunner(runner, batch)
     return runner
 
 
@@ -541,6 +548,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="120B section depth: run a model truncated to N layers and extrapolate (default: the "
                         "full depth if it fits, else the deepest that fits; 0: record as not run)")
     p.add_argument("--no-triton", action="store_true", help="force the PyTorch reference kernels")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (by default decode-shaped steps replay "
+                                                       "graphs on CUDA with the Triton kernels)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -587,7 +596,7 @@ def _command(args: argparse.Namespace) -> str:
         v = getattr(args, flag)
         if v is not None:
             parts += [f"--{flag.replace('_', '-')}", str(v)]
-    for flag in ("skip_hf", "skip_draft", "skip_120b", "no_triton"):
+    for flag in ("skip_hf", "skip_draft", "skip_120b", "no_triton", "eager"):
         if getattr(args, flag):
             parts.append(f"--{flag.replace('_', '-')}")
     return shlex.join(parts)
@@ -641,6 +650,9 @@ class Bench:
     def __init__(self, args: argparse.Namespace, r: dict[str, Any], out: Path):
         self.args, self.r, self.out = args, r, out
         self.device, self.dtype = r["device"], r["dtype"]
+        # CUDA graphs need CUDA and the (sync-free) Triton kernels; --eager turns them off
+        self.graphs = (not args.eager and self.device.type == "cuda"
+                       and use_triton(torch.empty(0, device=self.device)))
         primary = args.shape != "120b"
         big = args.shape == "120b" or not args.skip_120b
         sections = (1 + (3 if primary else 0) + (0 if args.skip_draft or not primary else 1)
@@ -654,6 +666,7 @@ class Bench:
                          "warmup": r["warmup"], "iters": r["iters"], "hf_tokens": r["hf_tokens"], "seed": args.seed,
                          "block_size": BLOCK_SIZE,
                          "triton_kernels": use_triton(torch.empty(0, device=self.device)),
+                         "cuda_graphs": self.graphs,
                          "timing": "CUDA events around each call, median" if self.device.type == "cuda"
                          else "perf_counter around each call, median"},
         }
@@ -733,7 +746,7 @@ class Bench:
 
         self.log.section(f"decode steps, no speculation, bs {r['batch_sizes']}, context {r['context']}")
         decode: dict[str, Any] = {}
-        runner = make_runner(target, None, "none", 0, max(r["batch_sizes"]), layout, dev, dt, a.seed + 1)
+        runner = make_runner(target, None, "none", 0, max(r["batch_sizes"]), layout, dev, dt, a.seed + 1, self.graphs)
         with torch.inference_mode():
             for bs in r["batch_sizes"]:
                 batch = synthetic_batch(bs, 0, layout, cfg.vocab_size, a.seed + bs)
@@ -763,7 +776,7 @@ class Bench:
         self.log.section(f"verify steps at bs 1, k = 1..{r['max_k']}")
         del runner
         release_caches(target)
-        runner = make_runner(target, None, "none", r["max_k"], 1, layout, dev, dt, a.seed + 2)
+        runner = make_runner(target, None, "none", r["max_k"], 1, layout, dev, dt, a.seed + 2, self.graphs)
         verify = {}
         with torch.inference_mode():
             for k in range(1, r["max_k"] + 1):
@@ -804,7 +817,7 @@ class Bench:
             drafter = build_random(lambda: Drafter(dcfg), dev, dt, a.seed + 7)
             times = {}
             for K in range(1, r["max_k"] + 1):
-                runner = make_runner(target, drafter, mode, K, 1, layout, dev, dt, a.seed + 3)
+                runner = make_runner(target, drafter, mode, K, 1, layout, dev, dt, a.seed + 3, self.graphs)
                 batch = synthetic_batch(1, K, layout, cfg.vocab_size, a.seed + 200 + K)
                 with torch.inference_mode():
                     t = self.time(capture_draft_call(runner, batch))
@@ -839,7 +852,7 @@ class Bench:
         n = r["hf_tokens"]
         self.log.section(f"transformers eager generation at bs 1 ({n} tokens after a {r['context']}-token prompt)")
         prompt = torch.randint(0, cfg.vocab_size, (r["context"],), generator=torch.Generator().manual_seed(a.seed + 9)).tolist()
-        runner = make_runner(target, None, "none", 0, 1, layout, dev, dt, a.seed + 4)
+        runner = make_runner(target, None, "none", 0, 1, layout, dev, dt, a.seed + 4, self.graphs)
         ours, loop_tok_s = engine_greedy(runner, prompt, n, dev)
         del runner
         release_caches(target)
@@ -959,7 +972,7 @@ class Bench:
         a, r, dev, dt = self.args, self.r, self.device, self.dtype
         cfg = full_cfg.model_copy(update={"num_hidden_layers": depth, "layer_types": None})
         target = build_random(lambda: GptOss(cfg), dev, dt, a.seed + 11)
-        runner = make_runner(target, None, "none", 0, 1, layout, dev, dt, a.seed + 12)
+        runner = make_runner(target, None, "none", 0, 1, layout, dev, dt, a.seed + 12, self.graphs)
         batch = synthetic_batch(1, 0, layout, cfg.vocab_size, a.seed + 13)
         with torch.inference_mode():
             measured = {str(depth): self.time(lambda: runner.execute(batch)).median_ms}
@@ -967,6 +980,8 @@ class Bench:
                 shallow = max(1, depth // 2)
                 layers = target.model.layers
                 target.model.layers = nn.ModuleList(list(layers)[:shallow])  # same weights, same runner
+                if runner.graphs is not None:
+                    runner.graphs.reset()  # the captured graphs replay the deeper model
                 try:
                     measured[str(shallow)] = self.time(lambda: runner.execute(batch)).median_ms
                 finally:

@@ -6,7 +6,7 @@ everything downstream reads typed fields. Engine arguments follow vLLM's names.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -175,11 +175,38 @@ class DrafterConfig(Strict):
 # --------------------------------------------------------------------------------------------
 
 
+class EmaTiersConfig(Strict):
+    """SGLang-like adaptive tiers (`--speculative-adaptive-config`): an EMA of the accepted drafts per
+    verify picks k among `candidate_steps`. Defaults are SGLang's."""
+
+    candidate_steps: list[int] = Field(default_factory=lambda: [1, 3, 7], min_length=1)
+    ema_alpha: float = Field(default=0.2, gt=0, le=1)
+    update_interval: int = Field(default=5, ge=1)
+    warmup_steps: int = Field(default=10, ge=0)
+    up_hysteresis: float = 0.0
+    down_hysteresis: float = -0.25
+
+    @field_validator("candidate_steps")
+    @classmethod
+    def _tiers(cls, v: list[int]) -> list[int]:
+        if any(k < 1 for k in v):  # a tier of 0 would verify nothing and never learn to leave it
+            raise ValueError("candidate_steps must be >= 1")
+        return sorted(set(v))
+
+
+DepthPolicyName = Literal["fixed", "adaptive", "batch_table", "ema_tiers"]
+DEPTH_POLICIES: tuple[str, ...] = get_args(DepthPolicyName)
+
+
 class SpeculativeConfig(Strict):
-    """vLLM's `speculative_config` keys, plus `adaptive` (ours).
+    """vLLM's `speculative_config` keys, plus how the depth k <= K is chosen each step (ours).
 
     P-EAGLE is `{"method": "eagle3", "model": HEAD, "num_speculative_tokens": K, "parallel_drafting": true}`;
     `"method": "peagle"` is an alias that implies `parallel_drafting`.
+
+    `depth_policy`: `fixed` (always K), `adaptive` (goodput-optimal k per step; `adaptive: true` is the
+    same), `batch_table` (vLLM's `num_speculative_tokens_per_batch_size`: `[[start_bs, end_bs, k], ...]`,
+    which alone selects it, as in vLLM) or `ema_tiers` (SGLang-like; parameters in `ema_tiers`).
     """
 
     method: Literal["eagle3", "peagle", "none"] = "eagle3"
@@ -188,6 +215,29 @@ class SpeculativeConfig(Strict):
     parallel_drafting: bool = False
     adaptive: bool = False
     min_num_speculative_tokens: int = Field(default=0, ge=0)
+    depth_policy: DepthPolicyName | None = None
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    ema_tiers: EmaTiersConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_policy(cls, data: Any) -> Any:
+        """Fill `depth_policy` from the aliases (`adaptive: true`, a batch table, EMA parameters)."""
+        if not isinstance(data, dict):
+            return data
+        implied = [name for name, given in (("adaptive", data.get("adaptive") is True),
+                                            ("batch_table", data.get("num_speculative_tokens_per_batch_size") is not None),
+                                            ("ema_tiers", data.get("ema_tiers") is not None)) if given]
+        chosen = data.get("depth_policy")
+        names = set(implied) | ({chosen} if chosen is not None else set())
+        if len(names) > 1:
+            raise ValueError(f"speculative_config: conflicting depth policies {sorted(names)} (set one of "
+                             "depth_policy, adaptive: true, num_speculative_tokens_per_batch_size, ema_tiers)")
+        if chosen is None and implied:
+            data = {**data, "depth_policy": implied[0]}
+        if data.get("depth_policy") == "adaptive":
+            data = {**data, "adaptive": True}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
@@ -195,13 +245,42 @@ class SpeculativeConfig(Strict):
             raise ValueError(f"speculative_config: method {self.method!r} needs 'model' (the drafter checkpoint)")
         if self.min_num_speculative_tokens > self.num_speculative_tokens:
             raise ValueError("speculative_config: min_num_speculative_tokens > num_speculative_tokens")
+        K = self.num_speculative_tokens
+        if self.depth_policy == "batch_table":
+            if not self.num_speculative_tokens_per_batch_size:
+                raise ValueError("speculative_config: depth_policy 'batch_table' needs "
+                                 "num_speculative_tokens_per_batch_size: [[start_bs, end_bs, k], ...]")
+            check_batch_table(self.num_speculative_tokens_per_batch_size, K)
+        tiers = self.ema_tiers
+        if tiers is not None and "candidate_steps" in tiers.model_fields_set and max(tiers.candidate_steps) > K:
+            # Only tiers the user wrote: SGLang's default tiers (1, 3, 7) are clipped to K.
+            raise ValueError(f"speculative_config: ema_tiers.candidate_steps must be <= num_speculative_tokens ({K})")
         return self
+
+    @property
+    def policy(self) -> DepthPolicyName:
+        """The depth policy in force (`fixed` unless one was chosen)."""
+        return self.depth_policy or "fixed"
 
     @property
     def mode(self) -> Literal["peagle", "eagle3", "none"]:
         if self.method == "none":
             return "none"
         return "peagle" if self.parallel_drafting or self.method == "peagle" else "eagle3"
+
+
+def check_batch_table(table: list[tuple[int, int, int]], K: int) -> None:
+    """vLLM's rule set: ranges of batch sizes, contiguous from 1, each with a k in 0..K."""
+    prev_end = 0
+    for start, end, k in table:
+        if start != prev_end + 1 or end < start:
+            raise ValueError(f"speculative_config: num_speculative_tokens_per_batch_size entries must be "
+                             f"[start_bs, end_bs, k] ranges contiguous from batch size 1; [{start}, {end}, {k}] "
+                             f"does not follow {prev_end}")
+        if not 0 <= k <= K:
+            raise ValueError(f"speculative_config: num_speculative_tokens_per_batch_size k={k} for batch sizes "
+                             f"{start}..{end} is outside 0..num_speculative_tokens ({K})")
+        prev_end = end
 
 
 class EngineConfig(Strict):
@@ -222,6 +301,8 @@ class EngineConfig(Strict):
     kv_cache_memory_gb: float | None = Field(default=None, gt=0)
     enforce_eager: bool = False
     use_triton: bool | None = None
+    # MXFP4 experts: "auto" keeps them packed on CUDA and dequantises elsewhere; "mxfp4" always packed; "none" dequantised
+    quantization: Literal["auto", "mxfp4", "none"] = "auto"
     speculative_config: SpeculativeConfig | None = None
 
     @field_validator("speculative_config", mode="before")

@@ -9,6 +9,7 @@ import torch
 
 from peagle_core.config import EngineConfig
 from peagle_core.engine.block_manager import BlockManager
+from peagle_core.engine.graphs import make_graph_runner
 from peagle_core.engine.model_runner import ModelRunner
 from peagle_core.engine.output import TextState
 from peagle_core.engine.request import Request, Status
@@ -79,7 +80,7 @@ class LLMEngine:
             raise
 
     def _build(self, cfg: EngineConfig, path: Path, policy: DepthPolicy | None) -> None:
-        self.target = load_target(path, self.dtype, self.device, self.tp.world_size, self.tp.shard)
+        self.target = load_target(path, self.dtype, self.device, self.tp.world_size, self.tp.shard, cfg.quantization)
         self.tp.apply(self.target)  # all-reduces in the layers; each forward announced to the workers
         tcfg = self.target.config
         self.mode, self.K = cfg.spec_mode, cfg.num_spec_tokens
@@ -99,6 +100,8 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
         self.runner = ModelRunner(self.target, self.drafter, self.mode, self.K, cfg.block_size, num_blocks,
                                   self.max_model_len, self.device, self.dtype, tcfg.vocab_size)
+        # CUDA graphs for decode steps (None: eager; always eager on CPU, without Triton or at TP > 1)
+        self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, self.tp.world_size)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         budget = cfg.max_num_batched_tokens or max(512, min(8192, self.max_model_len))
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
@@ -110,8 +113,12 @@ class LLMEngine:
 
     def _default_policy(self) -> DepthPolicy:
         spec = self.config.speculative_config
-        if self.mode == "none" or not spec.adaptive:
+        if self.mode == "none" or spec.policy == "fixed":
             return FixedDepth(self.K)
+        if spec.policy != "adaptive":  # vLLM's batch-size table or SGLang-like EMA tiers
+            from peagle_core.spec.baselines import from_config
+
+            return from_config(spec)
         from peagle_core.engine.profile import profile
         from peagle_core.spec.adaptive import AdaptiveDepth, StepTimeModel
 

@@ -16,6 +16,7 @@ import torch
 
 from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from kernels.sampling import rejection_sample
+from peagle_core.engine.graphs import GraphRunner, is_uniform_decode
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.models.drafter import Drafter
 from peagle_core.models.gpt_oss import GptOss
@@ -45,6 +46,7 @@ class ModelRunner:
                     self.shared_hidden = drafter.shared_hidden()  # fc(mask_hidden), projected once
                 self.mask_token_id = drafter.config.mask_token_id
         self.global_generator = torch.Generator(device=device).manual_seed(0)
+        self.graphs: GraphRunner | None = None  # CUDA graphs for uniform decode steps (the engine sets them)
 
     def _bind_cache(self, model, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         layers = model.attention_layers()
@@ -83,14 +85,15 @@ class ModelRunner:
         req_of_token = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=len(ids))
         meta = ForwardMeta(positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
                            slot_mapping=self.slots(positions, req_of_token, block_tables), block_tables=block_tables)
-        hidden, aux = self.target(input_ids, meta)
+        uniform = self.graphs is not None and is_uniform_decode(batch)  # graph-shaped: no prefill, one k
+        hidden, aux = self._forward(self.target, input_ids, None, meta, uniform)
 
         tokens, num_accepted, next_ids = self._verify(batch, hidden, qsl)
         drafts = None
         if self.drafter is not None:
             num_rejected = torch.tensor([s.num_drafts for s in batch], device=dev) - num_accepted
             drafts = self._draft(batch, input_ids, positions, query_start_loc, seq_lens, block_tables, aux,
-                                 next_ids, num_rejected, self.K if draft_len is None else max(1, draft_len))
+                                 next_ids, num_rejected, self.K if draft_len is None else max(1, draft_len), uniform)
         return self._to_host(batch, tokens, num_accepted, drafts)
 
     def _verify(self, batch: list[Scheduled], hidden: torch.Tensor, qsl: list[int]):
@@ -140,8 +143,18 @@ class ModelRunner:
             noise[cu[j]:cu[j + 1]].exponential_(generator=g)
         return uniforms, noise
 
+    def _forward(self, model, input_ids, hidden, meta: ForwardMeta, uniform: bool):
+        """The target's (hidden is None) or the drafter's forward; replayed from a graph when it can be."""
+        graphs = None
+        if uniform and self.graphs is not None:
+            graphs = self.graphs.target if model is self.target else self.graphs.drafter
+        if graphs is not None and graphs.covers(meta.seq_lens.shape[0], input_ids.shape[0],
+                                                meta.block_tables.shape[1]):
+            return graphs.run(input_ids, hidden, meta)
+        return model(input_ids, meta) if hidden is None else model(input_ids, hidden, meta)
+
     def _draft(self, batch, input_ids, positions, qsl, seq_lens, block_tables, aux, next_ids, num_rejected,
-               draft_len: int):
+               draft_len: int, uniform: bool = False):
         dev, K, B = self.device, self.K, len(batch)
         drafter = self.drafter
         P = K if self.mode == "peagle" else 1
@@ -157,7 +170,7 @@ class ModelRunner:
         slots = self.slots(d_pos, req, block_tables, valid=~is_rejected)
         meta = ForwardMeta(positions=d_pos, query_start_loc=d_qsl, seq_lens=d_seq, slot_mapping=slots,
                            block_tables=block_tables)
-        normed, prenorm = drafter(d_ids, hidden, meta)
+        normed, prenorm = self._forward(drafter, d_ids, hidden, meta, uniform)
         logits = drafter.compute_logits(normed[sample_idx])
         first = drafter.to_target_ids(logits.argmax(-1)).view(B, P)
         if self.mode == "peagle":
@@ -169,7 +182,7 @@ class ModelRunner:
             p = last_pos + i
             meta = ForwardMeta(positions=p, query_start_loc=ar, seq_lens=(p + 1).clamp(max=self.max_model_len),
                                slot_mapping=self.slots(p, ar[:-1], block_tables), block_tables=block_tables)
-            normed, h = drafter(out[-1], h, meta)
+            normed, h = self._forward(drafter, out[-1], h, meta, True)  # one token per request: uniform
             out.append(drafter.to_target_ids(drafter.compute_logits(normed).argmax(-1)))
         return torch.stack(out, dim=1)
 

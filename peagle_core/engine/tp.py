@@ -11,6 +11,8 @@ Sharding (`target_shard`, Megatron style; `DecoderLayer.all_reduce` sums the par
   attention  q/k/v rows and sinks by head, o_proj columns (its bias on rank 0 only);
   experts    w1/b1 rows [2*start, 2*end) of the intermediate dimension (gate/up pairs are interleaved,
              so a contiguous range keeps them together), w2 columns [start, end), b2 on rank 0 only;
+             packed MXFP4 experts alike, w2's blocks/scales [start/32, end/32) (the loader keeps them
+             packed only when (I / N) % 32 == 0, else it dequantises);
   the rest   (embedding, norms, router, lm_head) is replicated.
 The drafter is small: rank 0 holds a full copy with its KV cache and is the only rank that runs it.
 
@@ -107,10 +109,15 @@ def target_shard(cfg: GptOssConfig, rank: int, world: int) -> Shard:
             return t.narrow(0, rank * heads, heads)
         if name.endswith("o_proj.weight"):
             return t.narrow(1, rank * heads * d, heads * d)
-        if name.endswith(("experts.w1", "experts.b1")):   # [E, 2I, H] / [E, 2I]
+        if name.endswith(("experts.w1", "experts.b1", "experts.w1_blocks", "experts.w1_scales")):  # [E, 2I, ...]
             return t.narrow(1, 2 * rank * inter, 2 * inter)
         if name.endswith("experts.w2"):                     # [E, H, I]
             return t.narrow(2, rank * inter, inter)
+        if name.endswith(("experts.w2_blocks", "experts.w2_scales")):  # [E, H, I/32, ...]: whole blocks only
+            if inter % 32:
+                raise ValueError(f"packed MXFP4 experts cannot be split into {world} ranks of {inter} intermediate "
+                                 "channels (not whole 32-weight blocks); load them dequantised")
+            return t.narrow(2, rank * inter // 32, inter // 32)
         if name.endswith(("o_proj.bias", "experts.b2")):
             return once(t)
         return t  # replicated
@@ -252,7 +259,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
 
     path = resolve(cfg.model)
     tcfg = GptOssConfig.from_hf(read_json(path / "config.json"))
-    target = load_target(path, spec.dtype, device, world, target_shard(tcfg, rank, world))
+    target = load_target(path, spec.dtype, device, world, target_shard(tcfg, rank, world), cfg.quantization)
     install_all_reduce(target, comm.all_reduce)
     per_block = ModelRunner.cache_bytes_per_block(target, cfg.block_size, spec.dtype)
     work, _ = comm.start_min(cfg.num_gpu_blocks or int(kv_budget_bytes(cfg, device) // per_block))

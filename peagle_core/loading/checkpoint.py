@@ -7,8 +7,9 @@ built on the meta device and materialised once on the target device.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 from safetensors import safe_open
@@ -24,6 +25,12 @@ from peagle_core.models.gpt_oss import GptOss
 Shard = Callable[[str, torch.Tensor], torch.Tensor]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# What MXFP4 experts on disk become: "auto" keeps them packed on CUDA (the kernels expand them in
+# registers) and dequantises elsewhere; "mxfp4" always keeps them packed; "none" always dequantises.
+Quantization = Literal["auto", "mxfp4", "none"]
+
+EXPERT_TENSORS = {"w1": "gate_up_proj", "b1": "gate_up_proj_bias", "w2": "down_proj", "b2": "down_proj_bias"}
 
 
 class CheckpointError(ValueError):
@@ -76,7 +83,10 @@ def target_sources(name: str, ckpt: SafetensorsDir) -> tuple[list[str], Callable
     """Which checkpoint tensors make our parameter `name`, and how (transpose, MXFP4 decode)."""
     if ".mlp.experts." in name:
         prefix, ours = name.rsplit(".", 1)
-        hf = {"w1": "gate_up_proj", "b1": "gate_up_proj_bias", "w2": "down_proj", "b2": "down_proj_bias"}[ours]
+        if ours.endswith(("_blocks", "_scales")):  # packed experts: the bytes on disk as they are
+            mat, part = ours.split("_")
+            return [f"{prefix}.{EXPERT_TENSORS[mat]}_{part}"], _as_bytes
+        hf = EXPERT_TENSORS[ours]
         if ours in ("w1", "w2") and f"{prefix}.{hf}_blocks" in ckpt.shapes:
             return [f"{prefix}.{hf}_blocks", f"{prefix}.{hf}_scales"], mxfp4.dequantize
         if ours in ("w1", "w2"):
@@ -85,13 +95,46 @@ def target_sources(name: str, ckpt: SafetensorsDir) -> tuple[list[str], Callable
     return [name], lambda t: t
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.element_size() != 1:
+        raise CheckpointError(f"MXFP4 blocks and scales must be 1-byte tensors, got {t.dtype}")
+    return t.view(torch.uint8)  # e.g. scales saved as float8_e8m0fnu: the same bits
+
+
+def keep_mxfp4(cfg: GptOssConfig, ckpt: SafetensorsDir, device: torch.device | str, tp_size: int = 1,
+               quantization: Quantization = "auto") -> bool:
+    """Whether this load keeps the experts packed (see `Quantization`).
+
+    Packed experts are sharded on whole 32-weight blocks, so each tensor-parallel rank's share of
+    the intermediate size must be a multiple of 32 (120B/20B: I = 2880 = 90 blocks, so TP 1 and 2
+    qualify; TP 4 and 8 do not): "auto" dequantises otherwise, "mxfp4" refuses.
+    """
+    if quantization not in ("auto", "mxfp4", "none"):
+        raise ValueError(f"quantization must be 'auto', 'mxfp4' or 'none', got {quantization!r}")
+    on_disk = any(n.endswith(".mlp.experts.gate_up_proj_blocks") for n in ckpt.shapes)
+    if quantization == "mxfp4" and not on_disk:
+        raise ValueError(f"quantization='mxfp4' needs a checkpoint with MXFP4 experts (*_blocks / *_scales); "
+                         f"{ckpt.path} stores them dense")
+    if quantization == "none" or not on_disk:
+        return False
+    inter = cfg.intermediate_size // tp_size
+    if inter % mxfp4.BLOCK:
+        if quantization == "mxfp4":
+            raise ValueError(f"quantization='mxfp4' with tensor_parallel_size={tp_size}: each rank's share of "
+                             f"intermediate_size={cfg.intermediate_size} is {inter}, not a multiple of {mxfp4.BLOCK} "
+                             "(whole MXFP4 blocks); use quantization='auto' or 'none' (dequantised)")
+        return False
+    return quantization == "mxfp4" or torch.device(device).type == "cuda"
+
+
 def load_target(path: Path, dtype: torch.dtype, device: torch.device | str, tp_size: int = 1,
-                shard: Shard | None = None) -> GptOss:
+                shard: Shard | None = None, quantization: Quantization = "auto") -> GptOss:
     cfg = GptOssConfig.from_hf(read_json(path / "config.json"))
     ckpt = SafetensorsDir(path)
+    packed = keep_mxfp4(cfg, ckpt, device, tp_size, quantization)
     with torch.device("meta"):
-        full = GptOss(cfg)
-        model = GptOss(cfg, tp_size)
+        full = GptOss(cfg, mxfp4_experts=packed)
+        model = GptOss(cfg, tp_size, mxfp4_experts=packed)
     _load(model, full, ckpt, lambda n: target_sources(n, ckpt), dtype, device, shard)
     return model
 
@@ -111,7 +154,7 @@ def _load(model: nn.Module, full: nn.Module, ckpt: SafetensorsDir,
                 continue
             raise CheckpointError(f"missing tensor {missing[0]!r} in {ckpt.path} (needed for {name})")
         shapes = [ckpt.shapes[s] for s in srcs]
-        expect = _source_shape(p.shape, srcs)
+        expect = _source_shape(name, p.shape, srcs)
         if shapes[0] != expect:
             raise CheckpointError(f"{ckpt.describe(srcs[0])} has shape {list(shapes[0])}, expected {list(expect)}")
         plan[name] = (srcs, fn)
@@ -138,8 +181,10 @@ def _load(model: nn.Module, full: nn.Module, ckpt: SafetensorsDir,
     model.eval().requires_grad_(False)
 
 
-def _source_shape(shape: torch.Size, srcs: list[str]) -> tuple[int, ...]:
+def _source_shape(name: str, shape: torch.Size, srcs: list[str]) -> tuple[int, ...]:
     """The on-disk shape expected for a parameter of `shape` given its source kind."""
+    if name.endswith(("_blocks", "_scales")):  # packed parameter: stored as on disk
+        return tuple(shape)
     if srcs[0].endswith("_blocks"):
         return (*shape[:-1], shape[-1] // mxfp4.BLOCK, mxfp4.BLOCK // 2)
     if srcs[0].endswith(("gate_up_proj", "down_proj")):
@@ -152,15 +197,26 @@ def save_target(model: GptOss, path: Path, mxfp4_experts: bool = False, max_shar
     """Write `model` as a Hugging Face GPT-OSS checkpoint (bf16-layout or MXFP4 experts)."""
     cfg = model.config.model_copy(update={"quant_method": "mxfp4" if mxfp4_experts else None})
     tensors: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
+    state = model.state_dict()
+    for name, t in state.items():
         t = t.detach().cpu()
         if ".mlp.experts." not in name:
             tensors[name] = t
             continue
         prefix, ours = name.rsplit(".", 1)
-        hf = {"w1": "gate_up_proj", "b1": "gate_up_proj_bias", "w2": "down_proj", "b2": "down_proj_bias"}[ours]
+        mat = ours.split("_")[0]
+        hf = EXPERT_TENSORS[mat]
         if ours in ("b1", "b2"):
             tensors[f"{prefix}.{hf}"] = t
+        elif ours.endswith("_scales"):
+            continue  # written with its blocks
+        elif ours.endswith("_blocks"):  # a model holding packed experts
+            scales = state[f"{prefix}.{mat}_scales"].detach().cpu()
+            if mxfp4_experts:
+                tensors[f"{prefix}.{hf}_blocks"], tensors[f"{prefix}.{hf}_scales"] = t, scales
+            else:
+                dense = mxfp4.dequantize(t, scales, model.lm_head.weight.dtype)
+                tensors[f"{prefix}.{hf}"] = dense.transpose(-1, -2).contiguous()
         elif mxfp4_experts:
             tensors[f"{prefix}.{hf}_blocks"], tensors[f"{prefix}.{hf}_scales"] = mxfp4.quantize(t)
         else:
@@ -246,6 +302,9 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
+            if p.dtype == torch.uint8:  # packed MXFP4 experts (no dense copy: 120B-shaped models fit)
+                p.copy_(_random_mxfp4(name, p.shape, g))
+                continue
             if name.endswith("norm.weight"):
                 vals = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
             elif name.endswith("sinks"):
@@ -259,3 +318,12 @@ def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Modul
                 vals = torch.randn(p.shape, generator=g) / fan_in ** 0.5
             p.copy_(vals.to(p.dtype))
     return model
+
+
+def _random_mxfp4(name: str, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+    """Uniform FP4 codes; one scale for all blocks, chosen so the weights' RMS is about fan_in^-1/2 like
+    the dense init (uniform codes have RMS sqrt(mean(LUT^2)) = 2.93)."""
+    if name.endswith("_blocks"):
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    fan_in = shape[-1] * mxfp4.BLOCK
+    return torch.full(shape, 127 + round(math.log2(fan_in ** -0.5 / 2.93)), dtype=torch.uint8)

@@ -2,13 +2,14 @@
 
 Parameter names follow the Hugging Face checkpoint, except the experts, which are kept out-major
 (`w1 [E, 2I, H]`, `w2 [E, H, I]`) like the MXFP4 blocks on disk; `loading` maps between them.
+With `mxfp4_experts` the expert matrices stay packed as on disk (`w1_blocks`/`w1_scales`, ...).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels.moe import moe
+from kernels.moe import moe, moe_mxfp4
 from peagle_core.config import GptOssConfig, yarn_inv_freq
 from peagle_core.models.layers import Attention, ForwardMeta, RMSNorm, Rotary
 
@@ -21,34 +22,64 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    """The experts of one layer, in one of two storages (`mxfp4` says which):
+
+    dense   `w1 [E, 2I, H]`, `w2 [E, H, I]` in the model dtype;
+    mxfp4   packed as on disk, 4.25 bits a weight: `w1_blocks [E, 2I, H/32, 16]`, `w1_scales [E, 2I, H/32]`,
+            `w2_blocks [E, H, I/32, 16]`, `w2_scales [E, H, I/32]` (uint8, frozen), expanded only in the kernel.
+    Biases `b1 [E, 2I]`, `b2 [E, H]` are in the model dtype either way.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, mxfp4: bool = False):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.mxfp4 = mxfp4
+        if mxfp4:
+            if hidden % 32 or inter % 32:
+                raise ValueError(f"MXFP4 experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
+                                 "multiples of 32 (whole blocks)")
+            self.w1_blocks = _frozen(num_experts, 2 * inter, hidden // 32, 16)
+            self.w1_scales = _frozen(num_experts, 2 * inter, hidden // 32)
+            self.w2_blocks = _frozen(num_experts, hidden, inter // 32, 16)
+            self.w2_scales = _frozen(num_experts, hidden, inter // 32)
+        else:
+            self.w1 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+            self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.b1 = nn.Parameter(torch.zeros(num_experts, 2 * inter))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden))
+
+    def forward(self, x: torch.Tensor, router: Router, top_k: int, alpha: float, limit: float) -> torch.Tensor:
+        if self.mxfp4:
+            return moe_mxfp4(x, router.weight, router.bias, self.w1_blocks, self.w1_scales, self.b1,
+                             self.w2_blocks, self.w2_scales, self.b2, top_k, alpha, limit)
+        return moe(x, router.weight, router.bias, self.w1, self.b1, self.w2, self.b2, top_k, alpha, limit)
+
+
+def _frozen(*shape: int) -> nn.Parameter:
+    """Packed bytes: a parameter (so it loads, shards and counts like the others) that is never trained."""
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: GptOssConfig, num_experts: int | None = None, inter: int | None = None):
+    def __init__(self, cfg: GptOssConfig, num_experts: int | None = None, inter: int | None = None,
+                 mxfp4_experts: bool = False):
         super().__init__()
         self.router = Router(cfg.hidden_size, cfg.num_local_experts)
-        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, inter or cfg.intermediate_size)
+        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, inter or cfg.intermediate_size, mxfp4_experts)
         self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        e = self.experts
-        return moe(x, self.router.weight, self.router.bias, e.w1, e.b1, e.w2, e.b2, self.top_k, self.alpha, self.limit)
+        return self.experts(x, self.router, self.top_k, self.alpha, self.limit)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GptOssConfig, idx: int, rotary: Rotary, heads: int, kv_heads: int, inter: int):
+    def __init__(self, cfg: GptOssConfig, idx: int, rotary: Rotary, heads: int, kv_heads: int, inter: int,
+                 mxfp4_experts: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg.hidden_size, cfg.hidden_size, heads, kv_heads, cfg.head_dim,
                                    bias=True, sinks=True, sliding_window=cfg.layer_window(idx), rotary=rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg, inter=inter)
+        self.mlp = MoE(cfg, inter=inter, mxfp4_experts=mxfp4_experts)
         self.all_reduce = lambda t: t  # replaced by tensor parallelism
 
     def forward(self, h: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
@@ -57,25 +88,28 @@ class DecoderLayer(nn.Module):
 
 
 class Body(nn.Module):
-    def __init__(self, cfg: GptOssConfig, tp_size: int = 1):
+    def __init__(self, cfg: GptOssConfig, tp_size: int = 1, mxfp4_experts: bool = False):
         super().__init__()
         inv_freq, factor = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         rotary = Rotary(inv_freq, factor)
         heads, kv_heads = cfg.num_attention_heads // tp_size, cfg.num_key_value_heads // tp_size
         inter = cfg.intermediate_size // tp_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, heads, kv_heads, inter)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, heads, kv_heads, inter, mxfp4_experts)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class GptOss(nn.Module):
-    """forward(input_ids [T], meta) -> (final normed hidden [T, H], aux hidden [T, n_aux * H] | None)."""
+    """forward(input_ids [T], meta) -> (final normed hidden [T, H], aux hidden [T, n_aux * H] | None).
 
-    def __init__(self, cfg: GptOssConfig, tp_size: int = 1):
+    `mxfp4_experts`: keep the expert matrices packed (see `Experts`); the loader decides."""
+
+    def __init__(self, cfg: GptOssConfig, tp_size: int = 1, mxfp4_experts: bool = False):
         super().__init__()
         self.config = cfg
-        self.model = Body(cfg, tp_size)
+        self.mxfp4_experts = mxfp4_experts
+        self.model = Body(cfg, tp_size, mxfp4_experts)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.aux_layer_ids: list[int] = []  # residual streams entering these layers go to the drafter
 

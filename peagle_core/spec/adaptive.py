@@ -108,17 +108,22 @@ class AdaptiveDepth(DepthPolicy):
             return K  # nothing to verify: the choice only sets how far EAGLE-3 drafts
         best = max(range(min(self.k_min, K), K + 1),
                    key=lambda k: (self.goodput(info.num_verify, k, info.num_prefill_tokens), -k))
-        self.last = {"k": best, "batch": info.num_verify,
-                     "predicted_tokens_per_step": info.num_verify * self.acceptance.expected_tokens(best),
-                     "predicted_step_s": self.times.step(info.num_verify, best, info.num_prefill_tokens),
+        tokens = info.num_verify * self.acceptance.expected_tokens(best)
+        seconds = self.times.step(info.num_verify, best, info.num_prefill_tokens)
+        self.last = {"k": best, "batch": info.num_verify, "predicted_tokens_per_step": tokens,
+                     "predicted_step_s": seconds, "predicted_tokens_per_s": tokens / seconds,
                      **{f"accept_rate_{j + 1}": a for j, a in enumerate(self.acceptance.rates())}}
         return best
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
+        self.record(info, outcome, self.last.get("predicted_tokens_per_step"), self.last.get("predicted_step_s"))
         self.acceptance.observe(outcome.accepted)
         if outcome.accepted:
             self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, len(outcome.accepted))
-            self.last["realized_tokens_per_step"] = sum(a + 1 for _, a in outcome.accepted)
+        if info.num_verify:  # a request that verified nothing (k = 0) emits exactly one token
+            self.last["realized_tokens_per_step"] = (sum(a + 1 for _, a in outcome.accepted)
+                                                     + max(0, info.num_verify - len(outcome.accepted)))
+            self.last["measured_step_s"] = outcome.step_time
 
     def describe(self) -> dict[str, float]:
-        return dict(self.last)
+        return {**self.tally.as_dict(), **self.last}

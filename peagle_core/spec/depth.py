@@ -6,7 +6,7 @@ acceptance rates and step times online.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -24,18 +24,93 @@ class StepOutcome:
     num_tokens: int                  # target tokens in the step
 
 
+@dataclass
+class DepthTally:
+    """Cumulative counts over decode steps (steps with requests that could verify drafts).
+
+    The replica polls these and exports the differences as counters, so every step is counted
+    even though metrics are only sampled: the distribution of k, tokens per request per verify,
+    and predicted against realised tokens and step time.
+    """
+
+    steps: int = 0
+    depth_sum: int = 0
+    steps_at_k: list[int] = field(default_factory=list)         # [k] -> steps that chose k
+    tokens_per_verify: list[int] = field(default_factory=list)  # [n] -> request-steps that emitted n tokens
+    realized_tokens: int = 0
+    step_seconds: float = 0.0
+    predicted_steps: int = 0          # steps whose policy made a prediction (adaptive)
+    predicted_tokens: float = 0.0
+    predicted_step_seconds: float = 0.0
+    measured_step_seconds: float = 0.0  # the same steps, as measured
+    predicted_realized_tokens: int = 0  # the same steps, as realised
+
+    def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
+               predicted_step_s: float | None = None) -> None:
+        if info.num_verify == 0:
+            return  # prefill only: k just sets how far EAGLE-3 drafts
+        k = outcome.k
+        self.steps += 1
+        self.depth_sum += k
+        _bump(self.steps_at_k, k)
+        # The engine lists only requests that verified drafts; the others (k = 0, or drafts capped by
+        # max_tokens) emitted exactly one token each.
+        per_request = [a + 1 for _, a in outcome.accepted] + [1] * max(0, info.num_verify - len(outcome.accepted))
+        for n in per_request:
+            _bump(self.tokens_per_verify, n)
+        realized = sum(per_request)
+        self.realized_tokens += realized
+        self.step_seconds += outcome.step_time
+        if predicted_tokens is not None and predicted_step_s is not None:
+            self.predicted_steps += 1
+            self.predicted_tokens += predicted_tokens
+            self.predicted_step_seconds += predicted_step_s
+            self.measured_step_seconds += outcome.step_time
+            self.predicted_realized_tokens += realized
+
+    def as_dict(self) -> dict[str, float]:
+        d = {name: float(getattr(self, name)) for name in (
+            "steps", "depth_sum", "realized_tokens", "step_seconds", "predicted_steps", "predicted_tokens",
+            "predicted_step_seconds", "measured_step_seconds", "predicted_realized_tokens")}
+        d.update({f"steps_at_k.{k}": float(n) for k, n in enumerate(self.steps_at_k) if n})
+        d.update({f"tokens_per_verify.{n}": float(c) for n, c in enumerate(self.tokens_per_verify) if c})
+        return d
+
+
+def _bump(counts: list[int], i: int) -> None:
+    if len(counts) <= i:
+        counts.extend([0] * (i + 1 - len(counts)))
+    counts[i] += 1
+
+
 class DepthPolicy:
-    """Interface: subclasses pick k in 0..K."""
+    """Interface: subclasses pick k in 0..K.
+
+    `observe` and `describe` keep a `DepthTally` for every policy; a subclass that overrides
+    `observe` calls `self.record(...)` (with its prediction, if it makes one).
+    """
 
     def choose(self, info: StepInfo) -> int:
         raise NotImplementedError
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
-        pass
+        self.record(info, outcome)
 
     def describe(self) -> dict[str, float]:
-        """Inputs behind the last choice, exported as metrics."""
-        return {}
+        """Inputs behind the last choice and the cumulative tally, exported as metrics."""
+        return self.tally.as_dict()
+
+    @property
+    def tally(self) -> DepthTally:
+        # Created on first use, so subclasses need not call a base __init__.
+        t = self.__dict__.get("_tally")
+        if t is None:
+            t = self.__dict__["_tally"] = DepthTally()
+        return t
+
+    def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
+               predicted_step_s: float | None = None) -> None:
+        self.tally.record(info, outcome, predicted_tokens, predicted_step_s)
 
 
 class FixedDepth(DepthPolicy):
@@ -44,3 +119,6 @@ class FixedDepth(DepthPolicy):
 
     def choose(self, info: StepInfo) -> int:
         return min(self.k, info.max_k)
+
+    def describe(self) -> dict[str, float]:
+        return {**self.tally.as_dict(), "k": float(self.k)}

@@ -1,0 +1,263 @@
+"""SIMULATION of speculation-depth policies under load, from a step-time table and acceptance traces.
+
+    python benchmarks/adaptive_sim.py --steps benchmarks/traces/step_times_tiny_cpu.json \
+        --trace benchmarks/traces/tiny_peagle_k7.json --trace synthetic:0.78 --out docs/benchmarks --stem adaptive_sim
+
+Not a measurement: the engine's real policy classes (FixedDepth, AdaptiveDepth, BatchSizeTable, EmaTiers)
+choose k every simulated step, and the clock advances by the step time the table gives for (batch, k);
+each request's accepted run per verify step comes from its acceptance trace exactly as the benchmark
+replay does (accept min(L, k); see adaptive_sweep.py). Closed loop at each concurrency C: C requests in
+flight, a finished one replaced at once; prefill is not modelled (a new request starts decoding at once,
+its first token free), so the figures are decode throughput. The adaptive policy gets the step-time
+model the engine would build at start-up (the table's `profile`, or one derived from its grid) and
+refines it from the simulated step times, as in the engine.
+
+Step-time table (JSON, `adaptive_sweep.py steps` writes it, on CPU or on the H200):
+    {"format": "peagle-step-times/1", "K": 7,
+     "seconds":       {"<B>": [T(B, k=0), ..., T(B, k=K)]},   # engine at depth K verifying k (adaptive, baselines)
+     "seconds_fixed": {"<B>": [-, T_1(B, 1), ..., T_K(B, K)]},  # engine at depth k verifying k (fixed K), optional
+     "seconds_none":  {"<B>": T(B)},                            # no drafter, optional
+     "profile": {"points": {"<tokens>": s}, "draft_pass": s, "per_k_draft": false}}   # optional
+A profile alone (`{"points": ..., "draft_pass": ...}`) also works: T(B, k) = target(B (1 + k)) + draft.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from adaptive_sweep import (POLICIES_DEFAULT, STEPS_FORMAT, AcceptanceReplay, Trace, _ints, _names,  # noqa: E402
+                            command_line, request_lengths, tune_batch_table, write_report)
+from peagle_core.spec.adaptive import AdaptiveDepth, StepTimeModel  # noqa: E402
+from peagle_core.spec.baselines import BatchSizeTable, EmaTiers  # noqa: E402
+from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome  # noqa: E402
+
+
+class StepTable:
+    """T(B, k) from a measured grid (linear in B between measured batch sizes) or from a profile."""
+
+    def __init__(self, d: dict[str, Any]):
+        self.source = d
+        if "seconds" in d:
+            if d.get("format") not in (None, STEPS_FORMAT):
+                raise ValueError(f"step-time table format {d.get('format')!r}, want {STEPS_FORMAT!r}")
+            self.K = int(d.get("K", len(next(iter(d["seconds"].values()))) - 1))
+            self.grid = _grid(d["seconds"])
+            self.fixed = _grid(d["seconds_fixed"]) if d.get("seconds_fixed") else None
+            self.none = {int(b): float(v) for b, v in d["seconds_none"].items()} if d.get("seconds_none") else None
+            self.profile = d.get("profile")
+            self.model = None
+        elif "points" in d:
+            self.profile, self.grid, self.fixed, self.none = d, None, None, None
+            self.model = _profile_model(d)
+            self.K = int(d.get("K", 7))
+        else:
+            raise ValueError("a step-time table needs `seconds` (a measured grid) or `points` (a profile)")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepTable":
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"step-time table {p} does not exist (measure one with `adaptive_sweep.py steps`)")
+        return cls(json.loads(p.read_text()))
+
+    def time(self, B: int, k: int, policy: str = "") -> float:
+        if self.grid is None:
+            return self.model.step(B, k)
+        if policy == "none" and self.none:
+            return _interp(self.none, B)
+        if policy.startswith("K") and self.fixed and k > 0:
+            return _interp({b: row[k] for b, row in self.fixed.items()}, B)
+        if k > self.K:
+            raise ValueError(f"the step-time table covers k <= {self.K}, not {k}")
+        return _interp({b: row[k] for b, row in self.grid.items()}, B)
+
+    def start_up_model(self, per_k_draft: bool = False) -> StepTimeModel:
+        """What the adaptive policy would profile at start-up: the table's profile, or one from its grid."""
+        if self.profile is not None:
+            return _profile_model(self.profile)
+        points: dict[int, list[float]] = {}
+        for b, row in self.grid.items():
+            for k, t in enumerate(row):
+                points.setdefault(b * (1 + k), []).append(t)
+        return StepTimeModel({n: sum(v) / len(v) for n, v in points.items()}, per_k_draft=per_k_draft)
+
+
+def _grid(d: dict[str, list]) -> dict[int, list[float]]:
+    return {int(b): [float(x) if x is not None else float("nan") for x in row] for b, row in d.items()}
+
+
+def _profile_model(p: dict[str, Any]) -> StepTimeModel:
+    return StepTimeModel({int(n): float(t) for n, t in p["points"].items()}, draft_pass=float(p.get("draft_pass", 0.0)),
+                         per_k_draft=bool(p.get("per_k_draft", False)))
+
+
+def _interp(by_b: dict[int, float], B: int) -> float:
+    bs = sorted(by_b)
+    i = bisect.bisect_left(bs, B)
+    if i < len(bs) and bs[i] == B:
+        return by_b[B]
+    if i == 0:
+        return by_b[bs[0]]
+    if i == len(bs):  # past the largest measured batch: the last slope
+        if len(bs) == 1:
+            return by_b[bs[0]] * B / bs[0]
+        b0, b1 = bs[-2], bs[-1]
+    else:
+        b0, b1 = bs[i - 1], bs[i]
+    return by_b[b0] + (by_b[b1] - by_b[b0]) * (B - b0) / (b1 - b0)
+
+
+def make_policy(name: str, K: int, table: StepTable, batch_table: list | None, per_k_draft: bool) -> DepthPolicy:
+    if name == "none":
+        return FixedDepth(0)
+    if name.startswith("K"):
+        return FixedDepth(int(name[1:]))
+    if name == "adaptive":
+        return AdaptiveDepth(K, table.start_up_model(per_k_draft))
+    if name == "batch_table":
+        if not batch_table:
+            raise ValueError("batch_table needs the fixed-K cells first (or --batch-table)")
+        return BatchSizeTable(K, batch_table)
+    if name == "ema_tiers":
+        return EmaTiers(K)
+    raise ValueError(f"unknown policy {name!r}")
+
+
+def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: int, K: int, waves: int,
+             max_tokens: int, seed: int) -> dict[str, Any]:
+    """One closed-loop level; the same throughput window and TPOT as the engine sweep."""
+    n = C * waves
+    lengths = request_lengths(n, max_tokens, seed)
+    replay = AcceptanceReplay(trace, max(K, 1) if K else trace.K)
+    clock, admitted = 0.0, 0
+    active: list[dict[str, Any]] = []
+    tpots, tokens_total, steps, depth_sum = [], 0, 0, 0
+    window_start = window_end = None
+    tokens_in_window = 0
+    accepted_total = verifies = 0
+    while admitted < n or active:
+        while admitted < n and len(active) < C:
+            active.append({"id": f"r{admitted}", "left": lengths[admitted] - 1, "n": lengths[admitted],
+                           "first": clock})
+            admitted += 1
+            tokens_total += 1
+            if admitted == n:
+                window_end = clock
+        B = len(active)
+        info = StepInfo(num_verify=B, num_prefill_tokens=0, max_k=K)
+        k = policy.choose(info) if K else 0
+        dt = table.time(B, k, name)
+        accepted, emitted, finished = [], 0, []
+        for r in active:
+            acc = min(replay.run_length(r["id"]), k) if k else 0
+            if k:
+                accepted.append((k, acc))
+                accepted_total += acc
+                verifies += 1
+            got = min(acc + 1, r["left"])
+            r["left"] -= got
+            emitted += got
+            if r["left"] <= 0:
+                finished.append(r)
+        clock += dt
+        steps += 1
+        depth_sum += k
+        tokens_total += emitted
+        if window_start is not None and window_end is None:
+            tokens_in_window += emitted
+        policy.observe(info, StepOutcome(k, accepted, dt, B * (1 + k)))
+        for r in finished:
+            active.remove(r)
+            if r["n"] > 1:
+                tpots.append((clock - r["first"]) / (r["n"] - 1))
+        if finished and window_start is None:
+            window_start = clock
+    if window_start is not None and window_end is not None and window_end > window_start:
+        throughput = tokens_in_window / (window_end - window_start)
+    else:
+        throughput = tokens_total / clock
+    return {"throughput_tok_s": throughput, "tpot_ms_mean": 1e3 * sum(tpots) / len(tpots) if tpots else None,
+            "mean_k": depth_sum / steps if steps else 0.0, "requests": n, "output_tokens": tokens_total,
+            "steps": steps, "simulated_s": clock,
+            "acceptance_length": 1 + accepted_total / verifies if verifies else 1.0}
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    table = StepTable.load(a.steps)
+    fixed = sorted({int(p[1:]) for p in a.policies if p.startswith("K")})
+    K = max(fixed) if fixed else table.K
+    if K > table.K:
+        raise ValueError(f"fixed K up to {K} but the step-time table covers k <= {table.K}")
+    per_k_draft = bool((table.profile or {}).get("per_k_draft", False))
+    cells, scenarios, tables = [], [], {}
+    for spec in a.trace:
+        trace = Trace.load(spec)
+        label = trace.source.get("label") or Path(str(spec)).stem
+        synthetic = bool(trace.source.get("synthetic"))
+        desc = (f"Acceptance: {'SYNTHETIC, ' if synthetic else 'recorded, '}{label}; acceptance length at K={trace.K}: "
+                f"{trace.acceptance_length():.2f}; conditional per position: "
+                f"{' '.join(f'{x:.2f}' for x in trace.conditional_rates())}.")
+        if not synthetic:
+            desc += f" Source: {json.dumps({k: v for k, v in trace.source.items() if k != 'command'})}."
+        scenarios.append({"name": label, "description": desc, "synthetic": synthetic})
+        sc_cells: list[dict[str, Any]] = []
+        order = [p for p in a.policies if p != "batch_table"] + [p for p in a.policies if p == "batch_table"]
+        for name in order:
+            bt = (json.loads(a.batch_table) if a.batch_table else tune_batch_table(sc_cells, fixed, a.concurrency)) \
+                if name == "batch_table" else None
+            if name == "batch_table":
+                tables[label] = bt
+            for C in a.concurrency:
+                pol = make_policy(name, K, table, bt, per_k_draft)
+                kk = 0 if name == "none" else (int(name[1:]) if name.startswith("K") else K)
+                cell = {"scenario": label, "policy": name, "concurrency": C, "K": kk, "status": "ok"}
+                cell.update(simulate(pol, name, table, trace, C, kk, a.waves, a.max_tokens, a.seed))
+                sc_cells.append(cell)
+        cells += sc_cells
+    return {"kind": "simulation", "command": command_line(), "date": _dt.date.today().isoformat(),
+            "device": f"simulated ({table.source.get('device', 'table')})",
+            "machine": table.source.get("machine", {}), "step_table": {k: v for k, v in table.source.items()
+                                                                     if k not in ("machine",)},
+            "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
+            "waves": a.waves, "scenarios": scenarios, "batch_tables": tables, "cells": cells,
+            "notes": [f"Step times: `{a.steps}` ({table.source.get('shape', '?')} shape, {table.source.get('mode', '?')}, "
+                      f"measured on {table.source.get('device', '?')}; command `{table.source.get('command', '?')}`). "
+                      "Decode only (prefill not modelled); closed loop, C requests in flight, output lengths uniform "
+                      f"in 0.5..1.5 x {a.max_tokens}; throughput over the steady window (first completion to last "
+                      "admission). batch_table = vLLM's static schedule tuned from the fixed-K cells of the same "
+                      "scenario (best K per concurrency); ema_tiers = SGLang-like tiers 1/3/7."]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", required=True, help="step-time table JSON")
+    ap.add_argument("--trace", action="append", required=True,
+                    help="acceptance trace JSON or synthetic:A[,A2,...] (repeat: one scenario each)")
+    ap.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--policies", type=_names, default=list(POLICIES_DEFAULT))
+    ap.add_argument("--batch-table", help="vLLM schedule JSON (default: tuned from the simulated fixed-K cells)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stem", default="adaptive_sim")
+    a = ap.parse_args(argv)
+    try:
+        result = run(a)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    write_report(result, Path(a.out), a.stem, "Adaptive speculation depth: SIMULATION from measured step times")
+    print((Path(a.out) / f"{a.stem}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

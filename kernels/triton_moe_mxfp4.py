@@ -1,0 +1,198 @@
+"""Triton GPT-OSS mixture of experts over MXFP4 experts kept packed in memory (W4A16).
+
+Same signature and semantics as `kernels.moe.moe_mxfp4_ref`, and the same plan as the bf16 kernels
+in `kernels.triton_moe` (routing and the device-side sort by expert, grouped M-tiles per expert,
+the clamped-SwiGLU and weighted un-permuting epilogues are shared from there). Only the weight
+operand differs: each K-step reads BLOCK_K/2 bytes of FP4 codes and BLOCK_K/32 E8M0 scale bytes
+per output row, 4.25 bits a weight instead of 16, and expands them in registers. Hopper has no
+FP4 tensor cores, so the MMA itself runs in bf16; what shrinks is the memory traffic, which is
+what bounds decode (and what lets GPT-OSS-120B's experts fit one GPU).
+
+Two ways to expand a tile (constexpr `DOT_SCALED`):
+- `tl.dot_scaled(x, None, "bf16", codes, scales, "e2m1")`: Triton's microscaling dot; on Hopper the
+  compiler upcasts the FP4 operand to bf16 in registers with its own conversion sequence and
+  feeds the bf16 MMA. Used for bf16/fp16 activations (the GPU path).
+- `_unpack_mxfp4`: the codes decoded by building fp32 bit patterns (no table), times the scale,
+  then an ordinary `tl.dot`. Exact and dtype-agnostic: used for fp32 activations (the CPU tests
+  under TRITON_INTERPRET=1) and as the fallback if `dot_scaled` misbehaves on a GPU
+  (`PEAGLE_MXFP4_DOT=unpack`).
+
+Layout: a packed matrix [E, N, K/32, 16] is read as bytes [E, N, K/2] (byte j of a row holds
+weights 2j (low nibble) and 2j+1 (high nibble)); its scales [E, N, K/32]. H and I must be
+multiples of 32 (whole MXFP4 blocks), not of the tiles: partial K-tiles are masked by whole blocks.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe import check_moe_shapes, mxfp4_shape
+from kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort
+
+# "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
+DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
+
+
+@triton.jit
+def _fp4_times_scale(code, scale):
+    """FP4 E2M1 codes (int32, 0..15) times 2^(scale - 127) (E8M0 bytes as int32) -> fp32, exactly.
+
+    A code is sign | exponent e (2 bits) | mantissa m (1 bit). For e >= 1 its value 2^(e-1) * (1 + m/2)
+    is the fp32 with exponent field e + 126 and mantissa top bit m: bits (code & 7) << 22 plus 126 << 23.
+    Code 1 (0.5, subnormal in E2M1) is 126 << 23; code 0 is 0. The scale 2^(s-127) is the fp32 with
+    exponent field s (s >= 1); s = 0 (2^-127) is an fp32 subnormal, built as 2^-126 / 2.
+    """
+    mag = code & 7
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 126 << 23, 0))
+    value = bits.to(tl.float32, bitcast=True)
+    value = tl.where(code >= 8, -value, value)
+    two_pow = (tl.maximum(scale, 1) << 23).to(tl.float32, bitcast=True)
+    return value * tl.where(scale == 0, two_pow * 0.5, two_pow)
+
+
+@triton.jit
+def _unpack_mxfp4(codes, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """codes [BLOCK_K/2, BLOCK_N] uint8 (K-packed) and scales [BLOCK_N, BLOCK_K/32] uint8 -> fp32 [BLOCK_K, BLOCK_N]."""
+    c = codes.to(tl.int32)
+    s = tl.trans(scales.to(tl.int32))  # [BLOCK_K/32, BLOCK_N]: one scale per 16 bytes of K
+    s = tl.reshape(tl.broadcast_to(s[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)), (BLOCK_K // 2, BLOCK_N))
+    lo = _fp4_times_scale(c & 15, s)   # weights 2j
+    hi = _fp4_times_scale(c >> 4, s)   # weights 2j + 1
+    return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _mxfp4_step(acc, a, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BM, BN] += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile.
+
+    w_rows [BN]: pointers to each row's code bytes (K/2 a row); s_rows [BN]: to its scales (K/32)."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
+    sb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    # Masked (past-K or past-N) codes are 0, so their value is 0 whatever the scale: 127 = 2^0 keeps it finite.
+    scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None] & (sb < K // 32)[None, :], other=127)
+    if DOT_SCALED:
+        acc = tl.dot_scaled(a, None, LHS_FMT, codes, scales, "e2m1", acc)
+    else:
+        w = _unpack_mxfp4(codes, scales, BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
+                         num_experts, hidden, inter, alpha, limit,
+                         stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
+                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile."""
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    if first >= end:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # SwiGLU channels c: W1 rows 2c (gate), 2c+1 (up)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+
+    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_xt
+    gate_n = (2 * cols).to(tl.int64)
+    gate_b = wb_ptr + e.to(tl.int64) * stride_wbe + gate_n * stride_wbn
+    gate_s = ws_ptr + e.to(tl.int64) * stride_wse + gate_n * stride_wsn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
+        acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
+                               DOT_SCALED, LHS_FMT, DOT_PREC)
+        acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
+                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
+    _swiglu_store(acc_gate, acc_up, b1_ptr + e.to(tl.int64) * stride_be, h_ptr, stride_ht, rows, row_ok, cols, col_ok,
+                  alpha, limit)
+
+
+@triton.jit
+def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets_ptr,
+                           num_experts, hidden, inter,
+                           stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted)."""
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    if first >= end:
+        return
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output (hidden) channels
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_ht
+    w_b = wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn
+    w_s = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
+        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
+    _weighted_store(acc, b2_ptr + e.to(tl.int64) * stride_be, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
+
+
+_LHS_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _packed(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of bytes with unit stride inside a row (a no-op for parameters, which are contiguous)."""
+    if blocks.stride(-1) != 1 or blocks.stride(-2) != 16:
+        blocks = blocks.contiguous()
+    return blocks, scales if scales.stride(-1) == 1 else scales.contiguous()
+
+
+def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
+                     w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
+                     b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
+                     dot_scaled: bool | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H]. `dot_scaled`: None picks `tl.dot_scaled` for bf16/fp16 activations (unless
+    PEAGLE_MXFP4_DOT=unpack) and the explicit decode otherwise; True/False force one (tests)."""
+    w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
+    check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
+    if dot_scaled is None:
+        dot_scaled = x.dtype in _LHS_FORMATS and DOT_MODE != "unpack"
+    elif dot_scaled and x.dtype not in _LHS_FORMATS:
+        raise ValueError(f"moe_mxfp4: tl.dot_scaled takes bf16 or fp16 activations, got {x.dtype}")
+    T, H = x.shape
+    E, two_i, _ = w1_shape
+    inter = two_i // 2
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w1_blocks, w1_scales = _packed(w1_blocks, w1_scales)
+    w2_blocks, w2_scales = _packed(w2_blocks, w2_scales)
+    b1, b2 = b1.contiguous(), b2.contiguous()
+
+    r = route_and_sort(x, router_w, router_b, top_k)
+    tiles = r.tiles  # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
+    common = dict(BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled,
+                  LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+    h = torch.empty(T * top_k, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
+    _moe_mxfp4_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n))](
+        x, w1_blocks, w1_scales, b1, h, r.order, r.offsets, E, H, inter, float(alpha), float(limit),
+        x.stride(0), w1_blocks.stride(0), w1_blocks.stride(1), w1_scales.stride(0), w1_scales.stride(1),
+        b1.stride(0), h.stride(0), TOP_K=top_k, BLOCK_N=tiles.up_n, **common)
+
+    y = torch.empty(T * top_k, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
+    _moe_mxfp4_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n))](
+        h, w2_blocks, w2_scales, b2, r.gates, y, r.order, r.offsets, E, H, inter,
+        h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
+        b2.stride(0), y.stride(0), BLOCK_N=tiles.down_n, **common)
+    return y.view(T, top_k, H).sum(1)  # torch accumulates bf16 sums in fp32
+
+
+__all__ = ["moe_mxfp4_triton", "DOT_MODE"]

@@ -1,0 +1,216 @@
+"""CUDA graphs for decode-shaped steps: the target's verify forward and the drafter's forward.
+
+A step where every request feeds its one last token plus the same number k of drafts (no prefill
+chunk) has a fixed shape once the number of requests is padded to a bucket (1, 2, 4, 8, 16, 24, ...,
+max_num_seqs). Those steps replay a captured graph; every other step runs eagerly. Graphs are keyed by
+(padded requests, tokens per request):
+  target   q = 1 + k tokens per request, k = 0..K          -> up to max_num_seqs x (K+1) tokens
+  drafter  P-EAGLE: q - 1 + K slots per request (K..2K)    -> up to max_num_seqs x 2K tokens
+           EAGLE-3: q slots, then 1 per extra pass
+The padded requests get q tokens each too, so the attention kernel sees the same tokens per request
+(the same tiles) as in the eager step; only its KV split count may differ, as it also reads the block-table
+width, which a graph fixes at max_model_len. Padding is harmless: padded tokens write no K/V (slot -1)
+and attend to nothing (seq_len 0); their outputs are never read. A step where one request verifies
+fewer drafts than the others (near its max_tokens or max_model_len) runs eagerly.
+
+A replay copies the real inputs into static buffers sized for the largest bucket, pads the rest,
+replays, and returns views of static output buffers (valid until the same model's next replay).
+All graphs share one memory pool and are captured largest first (as nano-vllm does,
+reference/aesthetics.md §1.4); every intermediate dies inside its own graph, so any replay order is safe.
+Logits and sampling stay outside the graphs.
+
+`capture=False` keeps everything but the capture: "replay" calls the model on the padded static
+buffers. The CPU tests use it to prove that padding and metadata give the eager runner's greedy tokens;
+`capture=True` needs CUDA and the Triton kernels (the PyTorch references call `.tolist()`).
+Tensor parallelism keeps eager mode: each target forward is announced to the workers by a forward
+pre-hook on rank 0, which a replayed graph would skip.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from kernels.dispatch import use_triton
+from peagle_core.engine.scheduler import Scheduled
+from peagle_core.models.layers import ForwardMeta
+
+if TYPE_CHECKING:
+    from peagle_core.engine.model_runner import ModelRunner
+
+# (input ids [T], hidden [T, H] or None, meta) -> outputs (a None output stays None)
+Forward = Callable[[torch.Tensor, torch.Tensor | None, ForwardMeta], tuple[torch.Tensor | None, ...]]
+Key = tuple[int, int]  # (padded number of requests, tokens per request)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Request-count buckets: 1, 2, 4, 8, then every 8 from 16, always ending at max_num_seqs."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 8)) + [max_num_seqs]
+
+
+def is_uniform_decode(batch: list[Scheduled]) -> bool:
+    """Every request feeds one token plus the same number of drafts and samples: the graph case."""
+    k = batch[0].num_drafts if batch else 0
+    return bool(batch) and all(s.num_new == 1 and s.samples and s.num_drafts == k for s in batch)
+
+
+class GraphSet:
+    """The graphs of one forward (target or drafter) and the static buffers they read and write."""
+
+    def __init__(self, name: str, forward: Forward, buckets: list[int], max_tokens_per_seq: int, max_blocks: int,
+                 hidden: tuple[int, torch.dtype] | None, device: torch.device, capture: bool, pool=None):
+        self.name, self.forward, self.buckets, self.max_tokens_per_seq = name, forward, buckets, max_tokens_per_seq
+        self.capture, self.pool = capture, pool
+        B, T = buckets[-1], buckets[-1] * max_tokens_per_seq
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(T, **long)
+        self.positions = torch.zeros(T, **long)
+        self.slot_mapping = torch.full((T,), -1, **long)
+        self.query_start_loc = torch.zeros(B + 1, **long)
+        self.seq_lens = torch.zeros(B, **long)
+        self.block_tables = torch.zeros(B, max_blocks, **long)
+        self.hidden = torch.zeros(T, hidden[0], dtype=hidden[1], device=device) if hidden else None
+        self.outputs: list[torch.Tensor | None] | None = None  # sized from the first forward's outputs
+        self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.num_replays = self.num_padded = 0
+
+    def bucket(self, num_seqs: int) -> int:
+        return next(b for b in self.buckets if b >= num_seqs)
+
+    def covers(self, num_seqs: int, num_tokens: int, block_table_width: int) -> bool:
+        """Whether a uniform batch of this shape fits the buffers (else the caller runs eagerly)."""
+        return (0 < num_seqs <= self.buckets[-1] and num_tokens % num_seqs == 0
+                and 0 < num_tokens // num_seqs <= self.max_tokens_per_seq
+                and block_table_width <= self.block_tables.shape[1])
+
+    def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta
+            ) -> tuple[torch.Tensor | None, ...]:
+        """The forward of a uniform batch (every request has T / B tokens), padded to its bucket."""
+        B, T = meta.seq_lens.shape[0], input_ids.shape[0]
+        key = (self.bucket(B), T // B)
+        if self.capture and key not in self.graphs:
+            self.capture_one(key)
+        self._load(input_ids, hidden, meta, *key)
+        if self.capture:
+            self.graphs[key].replay()
+        else:
+            self._forward(*key)
+        self.num_replays += 1
+        self.num_padded += key[0] > B
+        return tuple(None if o is None else o[:T] for o in self.outputs)
+
+    def capture_one(self, key: Key) -> None:
+        num_seqs, q = key
+        self._pad(0, num_seqs, q)  # all dummies: the warm-up writes no K/V and reads none
+        try:
+            self._forward(num_seqs, q)  # warm-up outside the pool: Triton compiles, lazy caches (RoPE) fill
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(num_seqs, q)
+        except Exception as e:
+            raise RuntimeError(f"CUDA graph capture of the {self.name} forward ({num_seqs} requests x {q} tokens) "
+                               f"failed: {type(e).__name__}: {e}; set enforce_eager=True to run eagerly") from e
+        self.graphs[key] = graph
+
+    def _load(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta,
+              num_seqs: int, q: int) -> None:
+        B, T = meta.seq_lens.shape[0], input_ids.shape[0]
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(meta.positions)
+        self.slot_mapping[:T].copy_(meta.slot_mapping)
+        self.query_start_loc[:B + 1].copy_(meta.query_start_loc)
+        self.seq_lens[:B].copy_(meta.seq_lens)
+        # Columns past this batch's width keep stale block ids: a request never reads past its own blocks.
+        self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if hidden is not None:
+            self.hidden[:T].copy_(hidden)  # padded rows keep stale (finite) values; rows never mix
+        self._pad(B, num_seqs, q)
+
+    def _pad(self, B: int, num_seqs: int, q: int) -> None:
+        """Requests B..num_seqs-1 become dummies of q tokens: position 0, no K/V write, no keys to read."""
+        if num_seqs == B:
+            return
+        T, Tp = B * q, num_seqs * q
+        self.input_ids[T:Tp].zero_()
+        self.positions[T:Tp].zero_()
+        self.slot_mapping[T:Tp].fill_(-1)
+        torch.arange(T, Tp + 1, q, out=self.query_start_loc[B:num_seqs + 1])
+        self.seq_lens[B:num_seqs].zero_()
+
+    def _forward(self, num_seqs: int, q: int) -> None:
+        T = num_seqs * q
+        meta = ForwardMeta(positions=self.positions[:T], query_start_loc=self.query_start_loc[:num_seqs + 1],
+                           seq_lens=self.seq_lens[:num_seqs], slot_mapping=self.slot_mapping[:T],
+                           block_tables=self.block_tables[:num_seqs])
+        outs = self.forward(self.input_ids[:T], None if self.hidden is None else self.hidden[:T], meta)
+        if self.outputs is None:  # the first call is a warm-up or an uncaptured run, never a capture
+            n = self.input_ids.shape[0]
+            self.outputs = [None if o is None else torch.empty(n, *o.shape[1:], dtype=o.dtype, device=o.device)
+                            for o in outs]
+        for buf, o in zip(self.outputs, outs):
+            if buf is not None:
+                buf[:T].copy_(o)
+
+
+class GraphRunner:
+    """A ModelRunner's graphs: the target's verify forward and the drafter's forward, one memory pool."""
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool = True):
+        dev = runner.device
+        if capture and not (dev.type == "cuda" and use_triton(torch.empty(0, device=dev))):
+            raise ValueError("CUDA graphs need a CUDA device and the Triton kernels (the PyTorch reference "
+                             "kernels sync with the host); run with enforce_eager=True or capture=False")
+        # No reference to the runner itself: it owns this object, and a cycle would keep its KV cache alive.
+        self.capture, self.K = capture, runner.K
+        self.buckets = graph_buckets(max_num_seqs)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        K, max_blocks = runner.K, -(-runner.max_model_len // runner.block_size)
+        target = runner.target
+        self.target = GraphSet("target", lambda ids, _, meta: target(ids, meta), self.buckets, K + 1, max_blocks, None,
+                               dev, capture, self.pool)
+        self.drafter: GraphSet | None = None
+        if runner.drafter is not None:
+            d = runner.drafter
+            self.draft_lens = range(K, 2 * K + 1) if runner.mode == "peagle" else range(1, K + 2)
+            self.drafter = GraphSet("drafter", lambda ids, h, meta: d(ids, h, meta), self.buckets, self.draft_lens[-1],
+                                    max_blocks, (d.config.hidden_size, d.fc.weight.dtype), dev, capture, self.pool)
+
+    def sets(self) -> list[GraphSet]:
+        return [s for s in (self.target, self.drafter) if s is not None]
+
+    @torch.inference_mode()
+    def capture_all(self) -> int:
+        """Capture every shape a decode step can take, largest first; returns how many graphs exist."""
+        if not self.capture:
+            return 0
+        todo = [(self.target, (b, q)) for b in self.buckets for q in range(1, self.K + 2)]
+        if self.drafter is not None:
+            todo += [(self.drafter, (b, q)) for b in self.buckets for q in self.draft_lens]
+        for graphs, key in sorted(todo, key=lambda t: t[1][0] * t[1][1], reverse=True):
+            if key not in graphs.graphs:
+                graphs.capture_one(key)
+        return self.num_graphs
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(s.graphs) for s in self.sets())
+
+    def reset(self) -> None:
+        """Drop every graph (after the model changed: a graph replays the modules it was captured with)."""
+        for s in self.sets():
+            s.graphs.clear()
+
+
+def make_graph_runner(runner: ModelRunner, max_num_seqs: int, enforce_eager: bool,
+                      tensor_parallel_size: int = 1) -> GraphRunner | None:
+    """Captured graphs where they work (CUDA, Triton kernels, one rank), else None (eager)."""
+    dev = runner.device
+    if enforce_eager or tensor_parallel_size > 1 or dev.type != "cuda" or not use_triton(torch.empty(0, device=dev)):
+        return None
+    graphs = GraphRunner(runner, max_num_seqs, capture=True)
+    graphs.capture_all()
+    return graphs

@@ -1,0 +1,136 @@
+"""The adaptive-depth benchmarks: acceptance recording and (benchmark-only) replay, the engine sweep on
+a tiny grid, and the simulation."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle_core import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import adaptive_sim  # noqa: E402
+import adaptive_sweep as S  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def _llm(tiny_pair, k=3, mode="peagle"):
+    return LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, speculative_config={
+        "method": "eagle3", "model": tiny_pair[mode], "num_speculative_tokens": k, "parallel_drafting": mode == "peagle"})
+
+
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+def test_replay_forces_the_recorded_runs(tiny_pair, mode):
+    runs = [[3, 0, 2, 1, 3, 3, 0], [1, 1, 0, 2]]
+    trace = S.Trace(3, [{"id": f"t{i}", "steps": [[3, L] for L in r]} for i, r in enumerate(runs)])
+    llm = _llm(tiny_pair, 3, mode)
+    eng = llm.engine
+    replay = S.AcceptanceReplay(trace, 3).install(eng.runner)
+    seen = S.AcceptanceRecorder().install(eng.runner)  # outside the replay: sees what the engine gets
+    from peagle_core.spec.depth import DepthPolicy
+
+    class TwoThree(DepthPolicy):  # k alternates 3, 2: the replay must cap the run at k
+        n = 0
+
+        def choose(self, info):
+            self.n += 1
+            return 3 if self.n % 2 else 2
+    eng.policy = TwoThree()
+    reqs = [eng.add_request(f"q{i}", p, GREEDY) for i, p in enumerate([[1, 2, 3, 4], list(range(30, 42))])]
+    while eng.has_work():
+        eng.step()
+    for i, r in enumerate(reqs):
+        got = seen.steps[r.request_id]
+        want = [min(runs[i][j % len(runs[i])], d) for j, (d, _) in enumerate(got)]
+        assert [a for _, a in got] == want  # cycled through its trace, capped at the verified depth
+        assert {d for d, _ in got} <= {1, 2, 3} and len(r.output_ids) == 20
+    assert replay.forced == sum(len(v) for v in seen.steps.values())
+    assert eng.stats.num_accepted_tokens == sum(a for v in seen.steps.values() for _, a in v)
+    with pytest.raises(ValueError, match="recorded at depth 3"):
+        S.AcceptanceReplay(trace, 5)
+
+
+def test_recorder_keeps_every_verify_step_and_round_trips(tiny_pair, tmp_path):
+    prompts = {"a": [[1, 2, 3, 4, 5], list(range(10, 30))], "b": [[9, 8, 7]]}
+    tr = S.record_trace(prompts, "peagle", 3, 16, target=tiny_pair["target"], drafter=tiny_pair["peagle"])
+    assert [r["id"] for r in tr.requests] == ["a-0", "a-1", "b-0"]
+    # The same prompts at K=3 without a recorder: the trace is their acceptance, step by step.
+    ref = _llm(tiny_pair, 3)
+    outs = ref.generate(prompts["a"] + prompts["b"], SamplingParams(temperature=0.0, max_tokens=16))
+    for r, o in zip(tr.requests, outs):
+        st = o.spec_decode_stats
+        assert len(r["steps"]) == st.num_drafts and sum(a for _, a in r["steps"]) == st.num_accepted_tokens
+        assert all(0 <= a <= d <= 3 for d, a in r["steps"])
+        assert r["output_tokens"] == len(o.outputs[0].token_ids)
+    tr.save(tmp_path / "t.json")
+    back = S.Trace.load(tmp_path / "t.json")
+    assert back.requests == tr.requests and back.K == 3
+    assert back.to_json()["summary"]["acceptance_length"] == pytest.approx(tr.acceptance_length(), abs=1e-4)
+    with pytest.raises(ValueError, match="not an acceptance trace"):
+        (tmp_path / "x.json").write_text("{}")
+        S.Trace.load(tmp_path / "x.json")
+
+
+def test_synthetic_trace_has_the_asked_conditional_rates():
+    tr = S.Trace.load("synthetic:0.8,0.5")
+    rates = tr.conditional_rates()
+    assert rates[0] == pytest.approx(0.8, abs=0.02) and rates[1] == pytest.approx(0.5, abs=0.03)
+    assert tr.source["synthetic"] is True
+
+
+def test_sweep_runs_a_tiny_grid_on_cpu(tiny_pair, tmp_path):
+    pair = str(Path(tiny_pair["target"]).parent)
+    out = tmp_path / "sweep"
+    rc = S.main(["sweep", "--shape", "tiny", "--pair", pair, "--prompts", "random", "--concurrency", "1,3",
+                 "--max-tokens", "6", "--waves", "2", "--policies", "none,K1,K3,adaptive,batch_table,ema_tiers",
+                 "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "sweep.json").read_text())
+    cells = {(c["policy"], c["concurrency"]): c for c in res["cells"]}
+    assert set(cells) == {(p, c) for p in ("none", "K1", "K3", "adaptive", "batch_table", "ema_tiers") for c in (1, 3)}
+    for c in cells.values():
+        assert c["throughput_tok_s"] > 0 and c["tpot_ms_mean"] > 0 and c["requests"] == 2 * c["concurrency"]
+    assert cells[("K3", 1)]["mean_k"] == 3 and cells[("none", 3)]["mean_k"] == 0
+    assert res["batch_table"][0][0] == 1 and all(e[2] in (1, 3) for e in res["batch_table"])
+    md = (out / "sweep.md").read_text()
+    assert "| concurrency | none | K1 | K3 | adaptive | batch_table | ema_tiers |" in md
+    assert (out / "sweep.png").stat().st_size > 1000
+
+
+def test_sweep_replays_acceptance_on_random_weights(tmp_path):
+    """The 20B code path at the tiny shape: random weights built on the device, acceptance replayed."""
+    out = tmp_path / "replay"
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--max-tokens", "10", "--waves", "2", "--prompt-len", "8", "--policies", "K1,K3", "--out", str(out)])
+    assert rc == 0
+    cells = {c["policy"]: c for c in json.loads((out / "sweep.json").read_text())["cells"]}
+    assert all(c["replayed_verify_steps"] > 0 for c in cells.values())
+    # random weights accept ~nothing; the replayed a = 0.9 gives 1 + 0.9 (+ 0.81 + 0.73 at K = 3)
+    assert cells["K1"]["acceptance_length"] == pytest.approx(1.9, abs=0.2)
+    assert cells["K3"]["acceptance_length"] > 2.8
+    assert S.main(["sweep", "--shape", "random-tiny", "--out", str(tmp_path / "x")]) == 2  # no --replay: refused
+
+
+def test_simulation_prefers_depth_at_low_load_and_tracks_the_best_fixed_k(tmp_path):
+    # Verification nearly free at batch 1, costly at 64: the best fixed K falls with concurrency.
+    steps = {"format": S.STEPS_FORMAT, "K": 7, "device": "synthetic", "seconds": {
+        str(b): [0.010 + 0.00002 * b * (1 + k) ** 1.0 * (b / 8) for k in range(8)] for b in (1, 8, 64)}}
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+    out = tmp_path / "sim"
+    rc = adaptive_sim.main(["--steps", str(tmp_path / "steps.json"), "--trace", "synthetic:0.8", "--concurrency",
+                            "1,8,64", "--max-tokens", "48", "--waves", "4", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "adaptive_sim.json").read_text())
+    assert res["kind"] == "simulation"
+    by = {(c["policy"], c["concurrency"]): c for c in res["cells"]}
+    assert by[("adaptive", 1)]["mean_k"] > by[("adaptive", 64)]["mean_k"]
+    best = {C: max(by[(f"K{k}", C)]["throughput_tok_s"] for k in (1, 3, 5, 7)) for C in (1, 8, 64)}
+    assert max(by[(f"K{k}", 1)]["throughput_tok_s"] for k in (1, 3)) < best[1]  # deep wins at low load
+    for C in (1, 8, 64):
+        assert by[("adaptive", C)]["throughput_tok_s"] >= 0.9 * best[C], C
+    assert "SIMULATION" in (out / "adaptive_sim.md").read_text()

@@ -1,0 +1,116 @@
+"""Baseline depth policies (vLLM's batch-size table, SGLang-like EMA tiers): they pick what their
+definitions say, the engine selects them from speculative_config, and output stays plain greedy."""
+import pytest
+
+from peagle_core import LLM, SamplingParams
+from peagle_core.config import parse_engine_config
+from peagle_core.spec.adaptive import AdaptiveDepth
+from peagle_core.spec.baselines import BatchSizeTable, EmaTiers
+from peagle_core.spec.depth import FixedDepth, StepInfo, StepOutcome
+
+TABLE = [[1, 4, 7], [5, 16, 3], [17, 64, 1], [65, 512, 0]]
+
+
+def test_batch_table_picks_the_range_holding_the_batch_size():
+    p = BatchSizeTable(7, TABLE)
+    want = {1: 7, 4: 7, 5: 3, 16: 3, 17: 1, 64: 1, 65: 0, 512: 0, 2000: 0}  # past the last range: its k
+    for bs, k in want.items():
+        assert p.choose(StepInfo(bs, 0, 7)) == k, bs
+    assert p.choose(StepInfo(0, 0, 7)) == 7          # nothing verifies: batch size 1's entry
+    assert p.choose(StepInfo(2, 0, 5)) == 5          # never beyond the drafts available
+    assert p.describe()["batch"] == 2.0
+
+
+@pytest.mark.parametrize("table, match", [([[2, 4, 1]], "contiguous from batch size 1"),
+                                          ([[1, 4, 1], [6, 8, 1]], "contiguous"),
+                                          ([[1, 4, 9]], "outside 0..num_speculative_tokens"),
+                                          ([[1, 0, 1]], "contiguous"), ([], "at least one")])
+def test_batch_table_rejects_bad_schedules(table, match):
+    with pytest.raises(ValueError, match=match):
+        BatchSizeTable(7, table)
+
+
+def _feed(p: EmaTiers, accepted: int, steps: int, batch: int = 2) -> list[int]:
+    """Run `steps` steps in which every request accepts `accepted` drafts (capped at the chosen k)."""
+    ks = []
+    for _ in range(steps):
+        info = StepInfo(batch, 0, 7)
+        k = p.choose(info)
+        ks.append(k)
+        p.observe(info, StepOutcome(k, [(k, min(accepted, k))] * batch, 0.01, batch * (1 + k)))
+    return ks
+
+
+def test_ema_tiers_follow_the_rule_in_their_docstring():
+    p = EmaTiers(7)  # SGLang's defaults: tiers 1/3/7, alpha 0.2, interval 5, warm-up 10, hysteresis 0 / -0.25
+    assert p.tiers == [1, 3, 7]
+    ks = _feed(p, 0, 15)
+    assert ks == [7] * 15            # starts at the largest tier; warm-up 10 + first update after 5 more steps
+    assert p.ema == 0.0 and p.current == 1  # all rejected: aim ema + 1 = 1 -> tier 1
+    ks = _feed(p, 1, 5)              # tier 1, every draft accepted
+    assert ks == [1] * 5
+    assert p.ema == pytest.approx(1 - 0.8 ** 5)  # EMA toward 1 with alpha 0.2
+    assert p.current == 3            # round(0.67 + 1) = 2 -> smallest tier >= 2 is 3
+    _feed(p, 3, 10)                  # tier 3 fully accepted: aim 4 -> tier 7
+    assert p.current == 7
+
+
+def test_ema_tiers_hysteresis_moves_the_switching_point():
+    def settle(down_h: float, accepted: float) -> int:
+        p = EmaTiers(7, candidate_steps=[1, 3], warmup_steps=0, update_interval=1, down_hysteresis=down_h)
+        p.current, p.ema = 3, accepted
+        p.alpha = 1e-9  # freeze the EMA at `accepted`
+        info = StepInfo(1, 0, 7)
+        p.observe(info, StepOutcome(3, [(3, 0)], 0.01, 4))
+        return p.current
+
+    # ema 0.6: the aim 1.6 rounds to 2 (tier 3) without hysteresis; -0.25 makes it 1.35 -> tier 1
+    assert settle(0.0, 0.6) == 3
+    assert settle(-0.25, 0.6) == 1
+    assert EmaTiers(5).tiers == [1, 3, 5]  # default tiers clipped to K
+
+
+def test_engine_selects_the_policy_from_speculative_config(tiny_pair):
+    base = {"method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True}
+    cases = [({}, FixedDepth), ({"adaptive": True}, AdaptiveDepth), ({"depth_policy": "adaptive"}, AdaptiveDepth),
+             ({"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 1]]}, BatchSizeTable),
+             ({"depth_policy": "ema_tiers", "ema_tiers": {"candidate_steps": [1, 3]}}, EmaTiers)]
+    for extra, cls in cases:
+        llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=2, speculative_config=base | extra)
+        assert type(llm.engine.policy) is cls, extra
+    assert llm.engine.policy.tiers == [1, 3]
+    for bad, match in (({"depth_policy": "ema_tiers", "adaptive": True}, "conflicting depth policies"),
+                       ({"depth_policy": "batch_table"}, "needs num_speculative_tokens_per_batch_size"),
+                       ({"num_speculative_tokens_per_batch_size": [[1, 4, 5]]}, "outside"),
+                       ({"ema_tiers": {"candidate_steps": [1, 9]}}, "candidate_steps"),
+                       ({"ema_tiers": {"alpha": 0.3}}, "unknown key"),
+                       ({"depth_policy": "fastest"}, "depth_policy")):
+        with pytest.raises(ValueError, match=match):
+            parse_engine_config(model=tiny_pair["target"], speculative_config=base | bad)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 30)), [7, 7, 7, 7], list(range(40, 52))]
+
+
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+def test_every_policy_keeps_plain_greedy_output(tiny_pair, mode):
+    """Requests join mid-run so the batch size (and with it the table's k) changes; EMA tiers switch
+    every step; the adaptive policy chooses freely. Output must equal plain greedy whatever k is."""
+    sp = SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(tiny_pair["target"], device="cpu").generate(PROMPTS, sp)]
+    base = {"method": "eagle3", "model": tiny_pair[mode], "num_speculative_tokens": 3,
+            "parallel_drafting": mode == "peagle"}
+    for extra in ({"adaptive": True}, {"num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 2, 0], [3, 8, 2]]},
+                  {"ema_tiers": {"candidate_steps": [1, 2, 3], "warmup_steps": 0, "update_interval": 1}}):
+        llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, speculative_config=base | extra)
+        eng, ks, reqs = llm.engine, [], {}
+        pending = list(enumerate(PROMPTS))
+        while pending or eng.has_work():
+            if pending and (eng.num_steps % 3 == 0 or not eng.has_work()):
+                i, p = pending.pop(0)
+                reqs[i] = eng.add_request(f"r{i}", p, sp)
+            eng.step()
+            ks.append(eng.last_k)
+        assert [reqs[i].output_ids for i in range(len(PROMPTS))] == ref, extra
+        if "num_speculative_tokens_per_batch_size" in extra:
+            assert {0, 2, 3} <= set(ks)  # the table really moved k with the batch size

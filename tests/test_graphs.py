@@ -1,0 +1,240 @@
+"""CUDA graphs for decode steps: the padded static-buffer path equals the eager runner.
+
+On CPU the graph path runs with `capture=False` (the padded static buffers, no capture): every step
+that a GPU would replay from a graph goes through the same buckets, padding and metadata, so these
+tests prove that logic step for step against the plain eager runner. The GPU tests compare captured
+graphs with eager mode in bf16 (skipped without CUDA).
+"""
+import copy
+import random
+
+import pytest
+import torch
+
+from peagle_core import LLM, SamplingParams
+from peagle_core.engine.graphs import GraphRunner, graph_buckets, is_uniform_decode, make_graph_runner
+from peagle_core.engine.request import Request
+from peagle_core.engine.scheduler import Scheduled
+from peagle_core.models.layers import ForwardMeta
+
+MAX_SEQS = 6  # buckets 1, 2, 4, 6: three and five running requests are padded
+PROMPTS = [[1, 2, 3, 4, 5], list(range(10, 47)), [7, 7, 7], list(range(100, 113)), [42] * 9, list(range(200, 206))]
+MAX_TOKENS = [40, 22, 33, 12, 36, 28]  # requests leave at different steps
+CASES = [("none", 0)] + [(m, k) for m in ("peagle", "eagle3") for k in (1, 3, 7)]
+
+
+def spec(pair, mode: str, k: int) -> dict | None:
+    if mode == "none":
+        return None
+    return {"method": "eagle3", "model": pair[mode], "num_speculative_tokens": k, "parallel_drafting": mode == "peagle"}
+
+
+def make_llm(pair, mode: str, k: int, **kw) -> LLM:
+    return LLM(pair["target"], speculative_config=spec(pair, mode, k), max_num_seqs=MAX_SEQS, max_model_len=128,
+               **({"device": "cpu"} | kw))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    llm = LLM(tiny_pair["target"], device="cpu")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=max(MAX_TOKENS), ignore_eos=True))
+    return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)}
+
+
+def drive(llm: LLM, reference: dict, seed: int) -> tuple[list[list[int]], list]:
+    """Requests join every other step and leave at their own lengths; after recording each step's raw
+    result (the drafter's own drafts included), the drafts are replaced by the true continuation, partly
+    corrupted, so acceptance takes every length. Returns (outputs, [(uniform?, result) per step])."""
+    eng, runner, rng = llm.engine, llm.engine.runner, random.Random(seed)
+    execute, steps = runner.execute, []
+
+    def patched(batch, **kw):
+        res = execute(batch, **kw)
+        steps.append((is_uniform_decode(batch), copy.deepcopy(res)))
+        for i, s in enumerate(batch):
+            if s.samples and runner.drafter is not None:
+                r = s.req
+                full = r.token_ids[:r.num_computed + s.num_new] + res.tokens[i]
+                ref = list(r.prompt_token_ids) + reference[tuple(r.prompt_token_ids)]
+                nxt = ref[len(full):len(full) + runner.K] + [0] * runner.K
+                res.drafts[i] = [t if rng.random() > 0.4 else (t + 1) % 256 for t in nxt[:runner.K]]
+        return res
+
+    runner.execute = patched
+    reqs, pending = {}, list(enumerate(PROMPTS))
+    while pending or eng.has_work():
+        if pending and (eng.num_steps % 2 == 0 or not eng.has_work()):
+            i, p = pending.pop(0)
+            reqs[i] = eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[i],
+                                                                  ignore_eos=True))
+        eng.step()
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    return [reqs[i].output_ids for i in range(len(PROMPTS))], steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets and the graph case
+# ---------------------------------------------------------------------------------------------
+
+
+def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(3) == [1, 2, 3]
+    assert graph_buckets(8) == [1, 2, 4, 8]
+    assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_buckets(0)
+
+
+def test_only_uniform_decode_steps_are_the_graph_case():
+    def item(prompt: int, computed: int, new: int, drafts: int) -> Scheduled:
+        req = Request("r", list(range(prompt)), SamplingParams())
+        req.num_computed = computed
+        return Scheduled(req, new, drafts)
+
+    assert is_uniform_decode([item(5, 4, 1, 3), item(9, 8, 1, 3)])
+    assert is_uniform_decode([item(5, 4, 1, 0)])
+    assert not is_uniform_decode([item(5, 4, 1, 3), item(9, 8, 1, 2)])  # different k
+    assert not is_uniform_decode([item(5, 4, 1, 3), item(9, 0, 9, 0)])  # a prefill chunk
+    assert not is_uniform_decode([item(9, 3, 1, 0)])                    # one token of a prompt: not sampling
+    assert not is_uniform_decode([])
+
+
+def test_capture_needs_cuda_and_the_engine_stays_eager_on_cpu(tiny_pair):
+    llm = make_llm(tiny_pair, "peagle", 3)
+    runner = llm.engine.runner
+    assert runner.graphs is None  # CPU: eager, whatever enforce_eager says
+    assert make_graph_runner(runner, MAX_SEQS, enforce_eager=False) is None
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        GraphRunner(runner, MAX_SEQS, capture=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The padded path on CPU (capture=False)
+# ---------------------------------------------------------------------------------------------
+
+
+def uniform_batch(runner, computed: list[int], q: int, seed: int = 0) -> tuple[torch.Tensor, ForwardMeta]:
+    """Requests with `computed` cached tokens each feeding q tokens; request b owns blocks 4b..4b+3."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(computed)
+    positions = torch.cat([torch.arange(c, c + q) for c in computed])
+    block_tables = torch.arange(4 * B).view(B, 4)
+    req = torch.arange(B).repeat_interleave(q)
+    meta = ForwardMeta(positions=positions, query_start_loc=torch.arange(B + 1) * q,
+                       seq_lens=torch.tensor(computed) + q, slot_mapping=runner.slots(positions, req, block_tables),
+                       block_tables=block_tables)
+    return torch.randint(0, 250, (B * q,), generator=g), meta
+
+
+def changed_slots(cache: torch.Tensor, before: torch.Tensor) -> set[int]:
+    """Flat cache slots whose K or V changed in any layer: cache is [2, L, blocks, block_size, Hkv, D]."""
+    diff = (cache != before).any(dim=5).any(dim=4).any(dim=1).any(dim=0)
+    return set(diff.flatten().nonzero().flatten().tolist())
+
+
+@torch.inference_mode()
+def test_padded_forward_matches_eager_and_writes_only_real_slots(tiny_pair):
+    llm = make_llm(tiny_pair, "peagle", 3)
+    runner = llm.engine.runner
+    graphs = GraphRunner(runner, MAX_SEQS, capture=False)
+    for name, cache, q, run in [
+        ("target", runner.target_cache, 4, lambda ids, h, meta: runner.target(ids, meta)),
+        ("drafter", runner.drafter_cache, 5, lambda ids, h, meta: runner.drafter(ids, h, meta)),
+    ]:
+        cache.normal_(generator=torch.Generator().manual_seed(1))
+        before = cache.clone()
+        ids, meta = uniform_batch(runner, [5, 17, 9], q)  # 3 requests: padded to 4
+        hidden = torch.randn(ids.shape[0], runner.drafter.config.hidden_size) if name == "drafter" else None
+        eager = run(ids, hidden, meta)
+        after_eager = cache.clone()
+        cache.copy_(before)
+        gs = getattr(graphs, name)
+        padded = gs.run(ids, hidden, meta)
+        assert gs.num_padded == 1 and gs.seq_lens[3] == 0 and (gs.slot_mapping[3 * q:4 * q] == -1).all()
+        for e, p in zip(eager, padded):
+            if e is None:
+                assert p is None
+            else:
+                assert p.shape == e.shape
+                torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache, after_eager, rtol=1e-5, atol=1e-5)
+        assert changed_slots(cache, before) == set(meta.slot_mapping.tolist()), name  # padding wrote nothing
+        # A smaller batch next: stale rows of the first one (block tables, hidden) must not matter.
+        ids2, meta2 = uniform_batch(runner, [30], q, seed=2)
+        hidden2 = hidden[:q] if hidden is not None else None
+        for e, p in zip(run(ids2, hidden2, meta2), gs.run(ids2, hidden2, meta2)):
+            if e is not None:
+                torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,k", CASES)
+def test_padded_graph_path_gives_the_eager_runners_steps(tiny_pair, reference, mode, k):
+    """Token for token, acceptance for acceptance and draft for draft, every step equals the eager runner."""
+    expected = [reference[tuple(p)][:n] for p, n in zip(PROMPTS, MAX_TOKENS)]
+    eager_out, eager_steps = drive(make_llm(tiny_pair, mode, k), reference, seed=k)
+    llm = make_llm(tiny_pair, mode, k)
+    graphs = llm.engine.runner.graphs = GraphRunner(llm.engine.runner, MAX_SEQS, capture=False)
+    out, steps = drive(llm, reference, seed=k)
+    assert eager_out == expected
+    assert out == expected
+    assert [r for _, r in steps] == [r for _, r in eager_steps]
+    num_uniform = sum(u for u, _ in steps)
+    assert 0 < num_uniform < len(steps)  # prefill steps ran eagerly
+    assert graphs.target.num_replays == num_uniform and graphs.target.num_padded > 0
+    if mode != "none":
+        assert graphs.drafter.num_replays >= num_uniform and graphs.drafter.num_padded > 0
+        accepted = [a for u, r in steps if u for a in r.num_accepted]
+        assert max(accepted) > 0 and len(set(accepted)) > 1  # drafts accepted and rejected inside graph steps
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: captured graphs
+# ---------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode,k", [("none", 0), ("peagle", 3), ("peagle", 7), ("eagle3", 3)])
+def test_cuda_graphs_give_eager_greedy_tokens_bf16(tiny_pair, reference, mode, k):
+    outs = {}
+    for eager in (True, False):
+        llm = make_llm(tiny_pair, mode, k, device="cuda", dtype="bfloat16", enforce_eager=eager)
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        outs[eager], steps = drive(llm, reference, seed=k)
+        if not eager:
+            assert graphs.num_graphs == len(graph_buckets(MAX_SEQS)) * ((k + 1) + (0 if mode == "none" else k + 1))
+            assert graphs.target.num_replays == sum(u for u, _ in steps) > 0 and graphs.target.num_padded > 0
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.gpu
+@cuda
+@torch.inference_mode()
+def test_replayed_graph_equals_the_uncaptured_padded_forward_exactly(tiny_pair):
+    llm = make_llm(tiny_pair, "peagle", 3, device="cuda", dtype="bfloat16", enforce_eager=True)
+    runner = llm.engine.runner
+    captured, plain = GraphRunner(runner, MAX_SEQS, capture=True), GraphRunner(runner, MAX_SEQS, capture=False)
+    for name, cache, q in [("target", runner.target_cache, 4), ("drafter", runner.drafter_cache, 6)]:
+        cache.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
+        before = cache.clone()
+        ids, meta = uniform_batch(runner, [5, 17, 9], q)
+        ids, meta = ids.cuda(), ForwardMeta(**{f: getattr(meta, f).cuda() for f in
+                                              ("positions", "query_start_loc", "seq_lens", "slot_mapping",
+                                               "block_tables")})
+        hidden = (torch.randn(ids.shape[0], runner.drafter.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+                  if name == "drafter" else None)
+        want = [None if o is None else o.clone() for o in getattr(plain, name).run(ids, hidden, meta)]
+        want_cache = cache.clone()
+        cache.copy_(before)
+        for _ in range(2):  # the first call captures, the second replays
+            got = getattr(captured, name).run(ids, hidden, meta)
+            for w, g in zip(want, got):
+                assert (w is None and g is None) or torch.equal(w, g), name
+            assert torch.equal(cache, want_cache), name
+            cache.copy_(before)
+        assert (4, q) in getattr(captured, name).graphs
