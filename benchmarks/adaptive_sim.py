@@ -9,8 +9,9 @@ each request's accepted run per verify step comes from its acceptance trace exac
 replay does (accept min(L, k); see adaptive_sweep.py). Closed loop at each concurrency C: C requests in
 flight, a finished one replaced at once; prefill is not modelled (a new request starts decoding at once,
 its first token free), so the figures are decode throughput. The adaptive policy gets the step-time
-model the engine would build at start-up (the table's `profile`, or one derived from its grid) and
-refines it from the simulated step times, as in the engine.
+model the engine would build at start-up (the table's `profile`, measured the way the engine's start-up
+profile measures it) and refines it from the simulated step times, as in the engine; a table without a
+profile is handed to it as its model (an oracle profile, said so in the report).
 
 Step-time table (JSON, `adaptive_sweep.py steps` writes it, on CPU or on the H200):
     {"format": "peagle-step-times/1", "K": 7,
@@ -78,15 +79,25 @@ class StepTable:
             raise ValueError(f"the step-time table covers k <= {self.K}, not {k}")
         return _interp({b: row[k] for b, row in self.grid.items()}, B)
 
-    def start_up_model(self, per_k_draft: bool = False) -> StepTimeModel:
-        """What the adaptive policy would profile at start-up: the table's profile, or one from its grid."""
+    def start_up_model(self) -> "StepTimeModel | TableTimeModel":
+        """What the adaptive policy would profile at start-up: the table's profile if it has one (as the
+        engine measures it), else the grid itself (an oracle profile; said so in the report)."""
         if self.profile is not None:
             return _profile_model(self.profile)
-        points: dict[int, list[float]] = {}
-        for b, row in self.grid.items():
-            for k, t in enumerate(row):
-                points.setdefault(b * (1 + k), []).append(t)
-        return StepTimeModel({n: sum(v) / len(v) for n, v in points.items()}, per_k_draft=per_k_draft)
+        return TableTimeModel(self)
+
+
+class TableTimeModel:
+    """A step-time table in StepTimeModel's interface: exact predictions, nothing to refine."""
+
+    def __init__(self, table: StepTable):
+        self.table = table
+
+    def step(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
+        return self.table.time(batch, k)
+
+    def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
+        pass
 
 
 def _grid(d: dict[str, list]) -> dict[int, list[float]]:
@@ -114,13 +125,13 @@ def _interp(by_b: dict[int, float], B: int) -> float:
     return by_b[b0] + (by_b[b1] - by_b[b0]) * (B - b0) / (b1 - b0)
 
 
-def make_policy(name: str, K: int, table: StepTable, batch_table: list | None, per_k_draft: bool) -> DepthPolicy:
+def make_policy(name: str, K: int, table: StepTable, batch_table: list | None) -> DepthPolicy:
     if name == "none":
         return FixedDepth(0)
     if name.startswith("K"):
         return FixedDepth(int(name[1:]))
     if name == "adaptive":
-        return AdaptiveDepth(K, table.start_up_model(per_k_draft))
+        return AdaptiveDepth(K, table.start_up_model())
     if name == "batch_table":
         if not batch_table:
             raise ValueError("batch_table needs the fixed-K cells first (or --batch-table)")
@@ -195,7 +206,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     K = max(fixed) if fixed else table.K
     if K > table.K:
         raise ValueError(f"fixed K up to {K} but the step-time table covers k <= {table.K}")
-    per_k_draft = bool((table.profile or {}).get("per_k_draft", False))
     cells, scenarios, tables = [], [], {}
     for spec in a.trace:
         trace = Trace.load(spec)
@@ -215,7 +225,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if name == "batch_table":
                 tables[label] = bt
             for C in a.concurrency:
-                pol = make_policy(name, K, table, bt, per_k_draft)
+                pol = make_policy(name, K, table, bt)
                 kk = 0 if name == "none" else (int(name[1:]) if name.startswith("K") else K)
                 cell = {"scenario": label, "policy": name, "concurrency": C, "K": kk, "status": "ok"}
                 cell.update(simulate(pol, name, table, trace, C, kk, a.waves, a.max_tokens, a.seed))
@@ -232,7 +242,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                       "Decode only (prefill not modelled); closed loop, C requests in flight, output lengths uniform "
                       f"in 0.5..1.5 x {a.max_tokens}; throughput over the steady window (first completion to last "
                       "admission). batch_table = vLLM's static schedule tuned from the fixed-K cells of the same "
-                      "scenario (best K per concurrency); ema_tiers = SGLang-like tiers 1/3/7."]}
+                      "scenario (best K per concurrency); ema_tiers = SGLang-like tiers 1/3/7. The adaptive policy's "
+                      "step-time model: " + ("the table's start-up profile, refined online from the simulated step "
+                                             "times." if table.profile is not None else
+                                             "the table itself (no profile given: an oracle profile).")]}
 
 
 def main(argv: list[str] | None = None) -> int:

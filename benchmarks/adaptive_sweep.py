@@ -328,8 +328,32 @@ def build_models(shape: str, mode: str, device: torch.device, dtype: torch.dtype
 # ------------------------------------------------------------------------------------------------
 
 
+def time_cells(fns: dict[Any, Callable[[], Any]], device: torch.device, warmup: int, iters: int,
+               statistic: str = "median") -> dict[Any, float]:
+    """Seconds per call (median, or min: the least disturbed call, for a CPU shared with other work).
+    On a GPU each cell on its own (CUDA events, `peagle bench`'s `measure`); on a CPU round-robin over
+    the cells, so load from other processes spreads over all of them alike instead of skewing
+    whichever cell it happened to meet."""
+    from peagle_core.bench import measure
+
+    if device.type == "cuda":
+        ts = {c: measure(fn, device, warmup, iters) for c, fn in fns.items()}
+        return {c: (t.median_ms if statistic == "median" else t.min_ms) * 1e-3 for c, t in ts.items()}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[Any, list[float]] = {c: [] for c in fns}
+    for _ in range(iters):
+        for c, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[c].append(time.perf_counter() - t0)
+    return {c: statistics.median(v) if statistic == "median" else min(v) for c, v in samples.items()}
+
+
 def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: int, device: torch.device,
-                       dtype: torch.dtype, warmup: int, iters: int, log=print) -> dict[str, Any]:
+                       dtype: torch.dtype, warmup: int, iters: int, log=print, statistic: str = "median"
+                       ) -> dict[str, Any]:
     """One engine step (`ModelRunner.execute`: target over B x (1 + k) tokens, sampling, the drafter) on
     synthetic decode batches with `context` tokens cached, per batch size B:
 
@@ -339,7 +363,7 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
 
     plus `profile`: the start-up profile the adaptive policy would take, so a simulation can give it
     what the engine would."""
-    from peagle_core.bench import Layout, make_runner, measure, synthetic_batch
+    from peagle_core.bench import Layout, make_runner, synthetic_batch
     from peagle_core.engine.profile import profile
 
     target, drafter = models.modules
@@ -347,15 +371,17 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
     layout = Layout.for_run(context, K, 0)
     B_max = max(batch_sizes)
 
-    def timed(runner, B: int, k: int) -> float:
-        batch = synthetic_batch(B, k, layout, vocab, 100 * B + k)
-        return measure(lambda: runner.execute(batch, draft_len=k), device, warmup, iters).median_ms * 1e-3
+    def timed(runner, cells: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
+        batches = {(B, k): synthetic_batch(B, k, layout, vocab, 100 * B + k) for B, k in cells}
+        fns = {c: (lambda b=b, k=c[1]: runner.execute(b, draft_len=k)) for c, b in batches.items()}
+        return time_cells(fns, device, warmup, iters, statistic)
 
     out: dict[str, Any] = {"seconds": {}, "seconds_fixed": {str(B): [None] for B in batch_sizes}, "seconds_none": {}}
     with torch.inference_mode():
         runner = make_runner(target, drafter, models.mode, K, B_max, layout, device, dtype, 1)
+        t = timed(runner, [(B, k) for B in batch_sizes for k in range(K + 1)])
         for B in batch_sizes:
-            out["seconds"][str(B)] = [timed(runner, B, k) for k in range(K + 1)]
+            out["seconds"][str(B)] = [t[(B, k)] for k in range(K + 1)]
             log(f"[steps] depth {K}, B={B}: " + " ".join(f"k{k}={v * 1e3:.2f}ms"
                                                           for k, v in enumerate(out["seconds"][str(B)])))
         points, draft = profile(runner, B_max * (K + 1))
@@ -363,21 +389,22 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
         models.release()
         for k in range(1, K + 1):
             runner = make_runner(target, drafter, models.mode, k, B_max, layout, device, dtype, 1)
+            t = timed(runner, [(B, k) for B in batch_sizes])
             for B in batch_sizes:
-                out["seconds_fixed"][str(B)].append(timed(runner, B, k))
+                out["seconds_fixed"][str(B)].append(t[(B, k)])
             del runner
             models.release()
             log(f"[steps] fixed K={k}: " + " ".join(f"B{B}={out['seconds_fixed'][str(B)][k] * 1e3:.2f}ms"
                                                     for B in batch_sizes))
         runner = make_runner(target, None, "none", 0, B_max, layout, device, dtype, 1)
-        for B in batch_sizes:
-            out["seconds_none"][str(B)] = timed(runner, B, 0)
+        t = timed(runner, [(B, 0) for B in batch_sizes])
+        out["seconds_none"] = {str(B): t[(B, 0)] for B in batch_sizes}
         del runner
         models.release()
         log("[steps] no drafter: " + " ".join(f"B{B}={v * 1e3:.2f}ms" for B, v in out["seconds_none"].items()))
     return {"format": STEPS_FORMAT, "shape": models.shape, "mode": models.mode, "K": K, "context": context,
             "device": str(device), "dtype": str(dtype).removeprefix("torch."), "machine": machine(device),
-            "warmup": warmup, "iters": iters, **out,
+            "warmup": warmup, "iters": iters, "statistic": statistic, **out,
             "profile": {"points": {str(n): t for n, t in points.items()}, "draft_pass": draft,
                         "per_k_draft": models.mode == "eagle3"}}
 
@@ -797,6 +824,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--context", type=int, default=256)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--iters", type=int, default=10)
+    t.add_argument("--statistic", default="median", choices=["median", "min"],
+                   help="per cell: median, or min (the least disturbed call, on a CPU shared with other work)")
     t.add_argument("--device")
     t.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--out", required=True)
@@ -825,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
             device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dtype = getattr(torch, a.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
             models = build_models(a.shape, a.mode, device, dtype, pair=a.pair)
-            table = measure_step_times(models, a.batch_sizes, a.k, a.context, device, dtype, a.warmup, a.iters, log)
+            table = measure_step_times(models, a.batch_sizes, a.k, a.context, device, dtype, a.warmup, a.iters, log,
+                                       a.statistic)
             table["command"] = command_line()
             table["date"] = _dt.date.today().isoformat()
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,25 @@ def test_capture_needs_cuda_and_the_engine_stays_eager_on_cpu(tiny_pair):
         GraphRunner(runner, MAX_SEQS, capture=True)
 
 
+@pytest.mark.parametrize("mode,k,draft_lens", [("none", 0, None), ("peagle", 3, [3, 4, 5, 6]),
+                                               ("eagle3", 3, [1, 2, 3, 4])])
+def test_capture_all_covers_every_decode_shape_largest_first(tiny_pair, monkeypatch, mode, k, draft_lens):
+    graphs = GraphRunner(make_llm(tiny_pair, mode, k).engine.runner, MAX_SEQS, capture=False)
+    graphs.capture = True  # record what would be captured (capturing needs CUDA)
+    order = []
+    monkeypatch.setattr("peagle_core.engine.graphs.GraphSet.capture_one",
+                        lambda self, key: (order.append((self.name, key)), self.graphs.__setitem__(key, None)))
+    assert graphs.capture_all() == len(order)
+    buckets = graph_buckets(MAX_SEQS)
+    want = {("target", (b, q)) for b in buckets for q in range(1, k + 2)}
+    want |= {("drafter", (b, q)) for b in buckets for q in draft_lens or []}
+    assert set(order) == want and len(order) == len(want)
+    tokens = [b * q for _, (b, q) in order]
+    assert tokens == sorted(tokens, reverse=True)
+    assert order[0][1] == (MAX_SEQS, max(k + 1, *(draft_lens or [0])))  # the largest: max_num_seqs x (K+1) or 2K
+    assert graphs.capture_all() == len(order) and len(order) == len(want)  # nothing captured twice
+
+
 # ---------------------------------------------------------------------------------------------
 # The padded path on CPU (capture=False)
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +237,7 @@ def test_cuda_graphs_give_eager_greedy_tokens_bf16(tiny_pair, reference, mode, k
 def test_replayed_graph_equals_the_uncaptured_padded_forward_exactly(tiny_pair):
     llm = make_llm(tiny_pair, "peagle", 3, device="cuda", dtype="bfloat16", enforce_eager=True)
     runner = llm.engine.runner
+    assert make_graph_runner(runner, MAX_SEQS, enforce_eager=False, tensor_parallel_size=2) is None  # TP: eager
     captured, plain = GraphRunner(runner, MAX_SEQS, capture=True), GraphRunner(runner, MAX_SEQS, capture=False)
     for name, cache, q in [("target", runner.target_cache, 4), ("drafter", runner.drafter_cache, 6)]:
         cache.normal_(generator=torch.Generator(device="cuda").manual_seed(1))

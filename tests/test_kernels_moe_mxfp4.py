@@ -6,6 +6,7 @@ atol = rtol = 1e-4 (outputs of magnitude ~1-30; the decode itself is checked bit
 activations take `tl.dot_scaled`, checked against an fp32 oracle of the same routing at 3e-2 of the
 output's scale (bf16 inputs, h and y). The interpreter cannot run a bf16 `tl.dot` (it multiplies the raw
 16-bit patterns), so the explicit decode is only checked with fp32 activations here.
+GPU (skipped here): the compiled kernels at the GPT-OSS layer shape, both expansions, and graph capture.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from kernel_utils import triton_interpret  # noqa: F401  (fixture)
+from kernel_utils import triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.dispatch import use_triton
 from kernels.moe import moe_mxfp4, moe_mxfp4_ref, moe_ref, route, swiglu
 from peagle_core import LLM, SamplingParams
@@ -30,16 +31,25 @@ ALPHA = 1.702
 _MX = None  # test_fp4_decode_is_bit_exact's handle on the kernel module
 
 
-@pytest.fixture
-def mx(triton_interpret):
-    """kernels.triton_moe_mxfp4 in the interpreter, bound to the (possibly reloaded) kernels.triton_moe."""
+def _mxfp4_module(kernels, interpret: bool):
+    """kernels.triton_moe_mxfp4 in the fixture's mode, bound to its (possibly reloaded) kernels.triton_moe."""
     from triton.runtime.jit import JITFunction
 
     module = importlib.import_module("kernels.triton_moe_mxfp4")
-    stale = module._expert_rows is not triton_interpret.moe._expert_rows
-    if stale or any(isinstance(v, JITFunction) for v in vars(module).values()):
+    compiled = any(isinstance(v, JITFunction) for v in vars(module).values())
+    if module._expert_rows is not kernels.moe._expert_rows or compiled == interpret:
         module = importlib.reload(module)
     return module
+
+
+@pytest.fixture
+def mx(triton_interpret):
+    return _mxfp4_module(triton_interpret, interpret=True)
+
+
+@pytest.fixture
+def mx_cuda(triton_cuda):
+    return _mxfp4_module(triton_cuda, interpret=False)
 
 
 def make_packed(T: int, H: int, I: int, E: int, seed: int = 0, dtype=torch.float32, hot_expert: int | None = None):
@@ -95,21 +105,28 @@ def test_ragged_routing_one_hot_expert(mx, T):
                                moe_mxfp4_ref(**p, top_k=2, alpha=ALPHA, limit=7.0), **TOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("T,H,I", [(1, 96, 64), (37, 64, 96)])
-def test_dot_scaled_path_half_precision(mx, dtype, T, H, I):
-    """bf16/fp16 activations go through tl.dot_scaled; the oracle is fp32 math on the same inputs and routing."""
-    p = make_packed(T, H, I, 6, seed=T + 1, dtype=dtype)
-    out = moe_mxfp4(**p, top_k=3, alpha=ALPHA, limit=7.0)
-    assert out.dtype == dtype
-    gates, experts = route(p["x"], p["router_w"], p["router_b"], 3)
+def fp32_oracle(p: dict, top_k: int) -> torch.Tensor:
+    """fp32 math on the same (half-precision) inputs, with the routing the half-precision run takes
+    (near-ties in the router logits may pick other experts in fp32)."""
+    gates, experts = route(p["x"], p["router_w"], p["router_b"], top_k)
     f = {k: v.float() for k, v in p.items() if v.is_floating_point()}
     w1, w2 = dequantize(p["w1_blocks"], p["w1_scales"]), dequantize(p["w2_blocks"], p["w2_scales"])
-    ref = torch.zeros(T, H)
+    ref = torch.zeros_like(f["x"])
     for e in experts.unique().tolist():
         tok, slot = torch.where(experts == e)
         h = swiglu(f["x"][tok] @ w1[e].T + f["b1"][e], ALPHA, 7.0)
         ref.index_add_(0, tok, (h @ w2[e].T + f["b2"][e]) * gates[tok, slot, None].float())
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,H,I", [(1, 96, 64), (37, 64, 96)])
+def test_dot_scaled_path_half_precision(mx, dtype, T, H, I):
+    """bf16/fp16 activations go through tl.dot_scaled."""
+    p = make_packed(T, H, I, 6, seed=T + 1, dtype=dtype)
+    out = moe_mxfp4(**p, top_k=3, alpha=ALPHA, limit=7.0)
+    assert out.dtype == dtype
+    ref = fp32_oracle(p, 3)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
 
 
@@ -155,6 +172,37 @@ def test_bad_inputs(mx):
     assert moe_mxfp4(**make_packed(0, 64, 32, 4), top_k=2, alpha=ALPHA, limit=7.0).shape == (0, 64)
     with pytest.raises(ValueError, match="multiples of 32"):
         GptOss(tiny_target_config(intermediate_size=48), mxfp4_experts=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dot_scaled", [True, False])
+@pytest.mark.parametrize("T", [1, 4, 37, 64, 300])
+def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled):
+    """GPT-OSS layer shape (H = I = 2880 = 90 blocks, E = 32, k = 4), compiled, both ways of expanding FP4."""
+    p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
+    out = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled)
+    assert out.dtype == torch.bfloat16
+    ref = fp32_oracle(p, 4)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_moe_mxfp4_cuda_graph_capture(mx_cuda):
+    """No host sync: the packed MoE captures into a CUDA graph and replays exactly."""
+    p = {k: v.cuda() for k, v in make_packed(2, 256, 128, 16, dtype=torch.bfloat16).items()}
+    eager = moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0)
+    p["x"].normal_()
+    graph.replay()
+    torch.testing.assert_close(out, moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0), atol=0, rtol=0)
+    assert not torch.equal(out, eager)
 
 
 # --------------------------------------------------------------------------------------------

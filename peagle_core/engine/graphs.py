@@ -103,6 +103,7 @@ class GraphSet:
         return tuple(None if o is None else o[:T] for o in self.outputs)
 
     def capture_one(self, key: Key) -> None:
+        """Warm up, then capture the forward of `num_seqs` dummy requests of q tokens into the shared pool."""
         num_seqs, q = key
         self._pad(0, num_seqs, q)  # all dummies: the warm-up writes no K/V and reads none
         try:

@@ -3,8 +3,9 @@
     goodput(k) = B * (1 + sum_{i<=k} prod_{j<=i} a_j) / T(B, k)
 
 a_j is the conditional acceptance of draft j given drafts 1..j-1 were accepted, estimated online
-with exponential forgetting toward an optimistic prior (so a depth abandoned after bad luck is
-tried again). T comes from a step-time model: the target's cost as a function of the tokens it
+with exponential forgetting, each position shrunk toward the one before it (the first toward a
+prior): a depth abandoned after bad luck drifts back and is tried again, and a depth not tried yet
+is judged by the evidence next to it. T comes from a step-time model: the target's cost as a function of the tokens it
 verifies, profiled at start-up and refined from live step times, plus the drafter's cost (constant
 in k for P-EAGLE, one pass per draft for EAGLE-3).
 """
@@ -18,30 +19,37 @@ from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-position conditional acceptance with exponential forgetting toward a prior."""
+    """Per-position conditional acceptance: forgetful evidence, shrunk toward the previous position."""
 
     K: int
     prior: float = 0.6
     prior_weight: float = 4.0
     decay: float = 0.98  # per step: older evidence weighs less, so the estimate follows the workload
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)   # (decayed) times position j was judged
+    accepted: list[float] = field(default_factory=list)  # (decayed) times it passed
 
     def __post_init__(self) -> None:
-        self.reached = [self.prior_weight] * self.K
-        self.accepted = [self.prior * self.prior_weight] * self.K
+        self.reached = [0.0] * self.K
+        self.accepted = [0.0] * self.K
 
     def observe(self, verified: list[tuple[int, int]]) -> None:
-        for j in range(self.K):  # forget toward the prior
-            self.reached[j] = self.decay * self.reached[j] + (1 - self.decay) * self.prior_weight
-            self.accepted[j] = self.decay * self.accepted[j] + (1 - self.decay) * self.prior * self.prior_weight
+        for j in range(self.K):  # forget: without new evidence a position returns to its neighbour's rate
+            self.reached[j] *= self.decay
+            self.accepted[j] *= self.decay
         for num_draft, num_acc in verified:
             for j in range(min(num_draft, num_acc + 1)):  # position j was judged iff all before it passed
                 self.reached[j] += 1
                 self.accepted[j] += j < num_acc
 
     def rates(self) -> list[float]:
-        return [a / r for a, r in zip(self.accepted, self.reached)]
+        """a_j = (passed_j + w a_{j-1}) / (judged_j + w), a_0 = prior: `prior_weight` pseudo-observations at
+        the previous position's rate. Positions a shallow policy never reaches (the deep ones) so take
+        the rate next to them, not a fixed guess, and the policy can find out that going deeper pays."""
+        out, prev = [], self.prior
+        for a, r in zip(self.accepted, self.reached):
+            prev = (a + self.prior_weight * prev) / (r + self.prior_weight)
+            out.append(prev)
+        return out
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<=k} prod_{j<=i} a_j: tokens one request emits when verifying k drafts."""
