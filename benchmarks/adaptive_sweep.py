@@ -15,7 +15,9 @@ requests in flight (closed loop; a finished request is replaced at once) until `
 are done. Policies: `none` (no drafter), `K1`..`K7` (fixed K: an engine with num_speculative_tokens=K),
 `adaptive` (k <= max K chosen per step), `batch_table` (vLLM's num_speculative_tokens_per_batch_size;
 unless given with --batch-table, tuned from this run's fixed-K cells, best K per concurrency, the
-way vLLM derives it from benchmark sweeps) and `ema_tiers` (SGLang-like, default tiers 1/3/7).
+way vLLM derives it from benchmark sweeps) and `ema_tiers` (SGLang-like, default tiers 1/3/7);
+on request `K<k>@<D>` (k verified on a depth-D engine, which drafts D: the choice of k without the
+drafting cost a fixed-K engine saves). docs/adaptive.md has the GPU recipe and what the results mean.
 
 Throughput counts the output tokens of the steps between the first completion (every slot busy,
 start-up prefill done) and the last admission (C requests in flight throughout). TPOT per request is
@@ -328,6 +330,17 @@ def build_models(shape: str, mode: str, device: torch.device, dtype: torch.dtype
 # ------------------------------------------------------------------------------------------------
 
 
+def activate(runner) -> None:
+    """Bind this runner's paged caches (and aux-layer choice) into the shared modules."""
+    for model, cache in ((runner.target, runner.target_cache), (runner.drafter, runner.drafter_cache)):
+        if model is not None and cache is not None:
+            for i, layer in enumerate(model.attention_layers()):
+                layer.kv_cache = (cache[0, i], cache[1, i])
+    aux = runner.drafter.config.resolved_aux_layer_ids(runner.target.config.num_hidden_layers) if runner.drafter \
+        else []
+    runner.target.set_aux_layers(aux)
+
+
 def time_cells(fns: dict[Any, Callable[[], Any]], device: torch.device, warmup: int, iters: int,
                statistic: str = "median") -> dict[Any, float]:
     """Seconds per call (median, or min: the least disturbed call, for a CPU shared with other work).
@@ -371,37 +384,38 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
     layout = Layout.for_run(context, K, 0)
     B_max = max(batch_sizes)
 
-    def timed(runner, cells: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
-        batches = {(B, k): synthetic_batch(B, k, layout, vocab, 100 * B + k) for B, k in cells}
-        fns = {c: (lambda b=b, k=c[1]: runner.execute(b, draft_len=k)) for c, b in batches.items()}
-        return time_cells(fns, device, warmup, iters, statistic)
+    # Every runner stays alive and the cells of all of them are timed round-robin (on a CPU), so load from
+    # other processes cannot skew one runner's row against another's. Runners share the model modules:
+    # `activate` binds a runner's caches into them before each of its calls.
+    runners = {"depth": make_runner(target, drafter, models.mode, K, B_max, layout, device, dtype, 1)}
+    for k in range(1, K + 1):
+        runners[k] = make_runner(target, drafter, models.mode, k, B_max, layout, device, dtype, 1)
+    runners["none"] = make_runner(target, None, "none", 0, B_max, layout, device, dtype, 1)
+    cells = [("depth", B, k) for B in batch_sizes for k in range(K + 1)]
+    cells += [(k, B, k) for k in range(1, K + 1) for B in batch_sizes] + [("none", B, 0) for B in batch_sizes]
 
-    out: dict[str, Any] = {"seconds": {}, "seconds_fixed": {str(B): [None] for B in batch_sizes}, "seconds_none": {}}
+    def call(key, batch, k):
+        def fn():
+            activate(runners[key])
+            return runners[key].execute(batch, draft_len=k)
+        return fn
+
+    fns = {c: call(c[0], synthetic_batch(c[1], c[2], layout, vocab, 100 * c[1] + c[2]), c[2]) for c in cells}
     with torch.inference_mode():
-        runner = make_runner(target, drafter, models.mode, K, B_max, layout, device, dtype, 1)
-        t = timed(runner, [(B, k) for B in batch_sizes for k in range(K + 1)])
-        for B in batch_sizes:
-            out["seconds"][str(B)] = [t[(B, k)] for k in range(K + 1)]
-            log(f"[steps] depth {K}, B={B}: " + " ".join(f"k{k}={v * 1e3:.2f}ms"
-                                                          for k, v in enumerate(out["seconds"][str(B)])))
-        points, draft = profile(runner, B_max * (K + 1))
-        del runner
-        models.release()
-        for k in range(1, K + 1):
-            runner = make_runner(target, drafter, models.mode, k, B_max, layout, device, dtype, 1)
-            t = timed(runner, [(B, k) for B in batch_sizes])
-            for B in batch_sizes:
-                out["seconds_fixed"][str(B)].append(t[(B, k)])
-            del runner
-            models.release()
-            log(f"[steps] fixed K={k}: " + " ".join(f"B{B}={out['seconds_fixed'][str(B)][k] * 1e3:.2f}ms"
-                                                    for B in batch_sizes))
-        runner = make_runner(target, None, "none", 0, B_max, layout, device, dtype, 1)
-        t = timed(runner, [(B, 0) for B in batch_sizes])
-        out["seconds_none"] = {str(B): t[(B, 0)] for B in batch_sizes}
-        del runner
-        models.release()
-        log("[steps] no drafter: " + " ".join(f"B{B}={v * 1e3:.2f}ms" for B, v in out["seconds_none"].items()))
+        t = time_cells(fns, device, warmup, iters, statistic)
+        activate(runners["depth"])
+        points, draft = profile(runners["depth"], B_max * (K + 1))
+    runners.clear()  # drop every runner's caches before the shared modules are released
+    fns.clear()
+    models.release()
+    out: dict[str, Any] = {
+        "seconds": {str(B): [t[("depth", B, k)] for k in range(K + 1)] for B in batch_sizes},
+        "seconds_fixed": {str(B): [None] + [t[(k, B, k)] for k in range(1, K + 1)] for B in batch_sizes},
+        "seconds_none": {str(B): t[("none", B, 0)] for B in batch_sizes}}
+    for name in ("seconds", "seconds_fixed"):
+        for B, row in out[name].items():
+            log(f"[steps] {name} B={B}: " + " ".join("-" if v is None else f"{v * 1e3:.2f}" for v in row) + " ms")
+    log("[steps] seconds_none: " + " ".join(f"B{B}={v * 1e3:.2f}ms" for B, v in out["seconds_none"].items()))
     return {"format": STEPS_FORMAT, "shape": models.shape, "mode": models.mode, "K": K, "context": context,
             "device": str(device), "dtype": str(dtype).removeprefix("torch."), "machine": machine(device),
             "warmup": warmup, "iters": iters, "statistic": statistic, **out,
@@ -414,13 +428,33 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
 # ------------------------------------------------------------------------------------------------
 
 
+def fixed_policy(name: str) -> tuple[int, int | None] | None:
+    """`K<k>` -> (k, None): an engine at depth k; `K<k>@<D>` -> (k, D): k verified on a depth-D engine
+    (drafting what D drafts: the policy's choice separated from the drafting cost). None otherwise."""
+    if not name.startswith("K"):
+        return None
+    k, _, depth = name[1:].partition("@")
+    try:
+        return int(k), (int(depth) if depth else None)
+    except ValueError:
+        raise ValueError(f"bad fixed policy {name!r}: K<k> or K<k>@<depth>") from None
+
+
+def fixed_ks(policies: list[str]) -> list[int]:
+    """k of the plain fixed-K cells (`K<k>`), which the bar compares against."""
+    return sorted({f[0] for p in policies if (f := fixed_policy(p)) and f[1] is None})
+
+
 def policy_spec(policy: str, models: Models, max_k: int, batch_table: list | None) -> dict[str, Any] | None:
-    """The speculative_config of one cell (None: no speculation)."""
+    """The speculative_config of one cell (None: no speculation). `K<k>@<D>` builds a fixed depth-D
+    engine; the sweep then sets its policy to k."""
     if policy == "none":
         return None
     base = {"method": "eagle3", "model": models.drafter_name, "parallel_drafting": models.mode == "peagle"}
-    if policy.startswith("K"):
-        return base | {"num_speculative_tokens": int(policy[1:])}
+    if (f := fixed_policy(policy)) is not None:
+        if f[1] is not None and not 1 <= f[0] <= f[1]:
+            raise ValueError(f"{policy}: k must be in 1..depth")
+        return base | {"num_speculative_tokens": f[1] or f[0]}
     base["num_speculative_tokens"] = max_k
     if policy == "adaptive":
         return base | {"depth_policy": "adaptive"}
@@ -547,7 +581,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     out = Path(a.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     torch.manual_seed(a.seed)
-    fixed = sorted({int(p[1:]) for p in a.policies if p.startswith("K")}) or list(FIXED_DEFAULT)
+    fixed = fixed_ks(a.policies) or list(FIXED_DEFAULT)
     max_k = max(fixed)
     trace = Trace.load(a.replay) if a.replay else None
     models = build_models(a.shape, a.mode, device, getattr(torch, dtype_name), a.seed, a.pair)
@@ -576,6 +610,10 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         t_build = time.perf_counter()
         engine = build_engine(models, spec, max(a.concurrency), str(device), dtype_name, max_len, a.kv_cache_gb,
                               a.enforce_eager)
+        if (f := fixed_policy(policy)) is not None and f[1] is not None:
+            from peagle_core.spec.depth import FixedDepth
+
+            engine.policy = FixedDepth(f[0])  # benchmark only: k < K on a depth-K engine
         log(f"[sweep] {policy}: engine built in {time.perf_counter() - t_build:.1f}s "
             f"({type(engine.policy).__name__}, K={engine.K})")
         if prompts is None:
@@ -625,13 +663,16 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
 
 
 def bar_rows(cells: list[dict[str, Any]], fixed: list[int], concurrency: list[int],
-             key: str = "throughput_tok_s", policy: str = "adaptive") -> list[dict[str, Any]]:
-    """Per concurrency: the best fixed K, `policy` against it (>= 0.97 x) and against K = max (> where it is not best)."""
+             key: str = "throughput_tok_s", policy: str = "adaptive", depth: int | None = None
+             ) -> list[dict[str, Any]]:
+    """Per concurrency: the best fixed K, `policy` against it (>= 0.97 x) and against K = max (> where it is
+    not best). `depth`: compare with the `K<k>@<depth>` cells (fixed k on the same depth-K engine) instead."""
     rows = []
-    kmax = f"K{max(fixed)}"
+    name = (lambda k: f"K{k}@{depth}") if depth else (lambda k: f"K{k}")
+    kmax = name(max(fixed))
     for C in concurrency:
         by = {c["policy"]: c for c in cells if c["concurrency"] == C and c.get("status") == "ok"}
-        fixed_here = {f"K{k}": by[f"K{k}"][key] for k in fixed if f"K{k}" in by}
+        fixed_here = {name(k): by[name(k)][key] for k in fixed if name(k) in by}
         if not fixed_here or policy not in by:
             continue
         best = max(fixed_here, key=fixed_here.get)
@@ -683,26 +724,54 @@ def render_markdown(result: dict[str, Any], title: str) -> str:
             rows = [[C] + [_fmt(sby[(p, C)].get(key), digits) if (p, C) in sby else "-" for p in policies]
                     for C in conc]
             lines += _table(["concurrency"] + policies, rows) + [""]
-        for pol in ("adaptive", "batch_table", "ema_tiers"):
-            bars = bar_rows(sc_cells, result["fixed"], conc, policy=pol)
-            if not bars:
-                continue
-            lines += [f"### {pol} against fixed K (throughput)", ""]
-            rows = [[b["concurrency"], b["best_fixed"], _fmt(b["over_best"], 3), "yes" if b["meets_097"] else "NO",
-                     _fmt(b.get("over_kmax"), 3),
-                     "-" if b.get("beats_kmax_where_not_best") is None else
-                     ("yes" if b["beats_kmax_where_not_best"] else "NO")] for b in bars]
-            kmax = f"K{max(result['fixed'])}"
-            lines += _table(["concurrency", "best fixed", f"{pol} / best fixed", ">= 0.97", f"{pol} / {kmax}",
-                             f"> {kmax} where {kmax} is not best"], rows) + [""]
-            if pol == "adaptive":
-                ok = all(b["meets_097"] for b in bars) and all(b.get("beats_kmax_where_not_best") in (None, True)
-                                                                for b in bars)
-                lines += [f"Bar (adaptive >= 0.97 x best fixed K everywhere, and > {kmax} where {kmax} is not best): "
-                          f"**{'met' if ok else 'NOT met'}**.", ""]
+        lines += comparison_lines(sc_cells, result["fixed"], conc)
+        bt = (result.get("batch_tables") or {}).get(scen["name"]) if scen else None
+        if bt:
+            lines += [f"batch_table schedule (tuned from this scenario's fixed-K cells): `{json.dumps(bt)}`", ""]
+        depths = sorted({f[1] for c in sc_cells if (f := fixed_policy(c["policy"])) and f[1]})
+        for d in depths:
+            ks = sorted({f[0] for c in sc_cells if (f := fixed_policy(c["policy"])) and f[1] == d})
+            lines += comparison_lines(sc_cells, ks, conc, depth=d)
     if result.get("batch_table"):
         lines += [f"batch_table schedule used: `{json.dumps(result['batch_table'])}`", ""]
     return "\n".join(lines)
+
+
+def comparison_lines(cells: list[dict[str, Any]], fixed: list[int], conc: list[int], depth: int | None = None
+                     ) -> list[str]:
+    """Throughput of each adaptive/baseline policy over the best fixed cell at each concurrency, and the bar."""
+    pols = [p for p in ("adaptive", "batch_table", "ema_tiers") if any(c["policy"] == p for c in cells)]
+    bars = {p: {b["concurrency"]: b for b in bar_rows(cells, fixed, conc, policy=p, depth=depth)} for p in pols}
+    if not pols or not any(bars.values()):
+        return []
+    kmax = f"K{max(fixed)}" + (f"@{depth}" if depth else "")
+    if depth:
+        head = [f"### Against fixed k on the same depth-{depth} engine (throughput ratio)", "",
+                f"`K<k>@{depth}` verifies k drafts on an engine that drafts {depth}: these ratios isolate the "
+                "policy's choice of k from the drafting cost a fixed-K engine saves.", ""]
+    else:
+        head = ["### Against the best fixed K (throughput ratio; < 0.97 marked)", ""]
+    rows = []
+    for C in conc:
+        any_b = next((bars[p][C] for p in pols if C in bars[p]), None)
+        if any_b is None:
+            continue
+        row = [C, any_b["best_fixed"]]
+        for p in pols:
+            b = bars[p].get(C)
+            row.append("-" if b is None else _fmt(b["over_best"], 3) + ("" if b["meets_097"] else " ✗"))
+        a = bars.get("adaptive", {}).get(C)
+        row.append("-" if a is None or a.get("over_kmax") is None else _fmt(a["over_kmax"], 3))
+        rows.append(row)
+    out = head + _table(["concurrency", "best fixed"] + [f"{p} / best" for p in pols] + [f"adaptive / {kmax}"],
+                        rows) + [""]
+    ab = list(bars.get("adaptive", {}).values())
+    if ab:
+        ok = all(b["meets_097"] for b in ab) and all(b.get("beats_kmax_where_not_best") in (None, True) for b in ab)
+        what = "the issue's bar" if not depth else "the same bar against fixed k on this engine"
+        out += [f"Adaptive >= 0.97 x best fixed at every concurrency and above {kmax} wherever {kmax} is not best "
+                f"({what}): **{'met' if ok else 'not met'}**.", ""]
+    return out
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> None:
@@ -714,7 +783,8 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
     scen = result.get("scenarios") or [None]
     fig, axes = plt.subplots(len(scen), 2, figsize=(12, 4.2 * len(scen)), squeeze=False)
     for row, sc in enumerate(scen):
-        cells = [c for c in result["cells"] if c.get("status") == "ok" and (sc is None or c.get("scenario") == sc["name"])]
+        cells = [c for c in result["cells"]
+                 if c.get("status") == "ok" and (sc is None or c.get("scenario") == sc["name"])]
         for col, (key, ylabel) in enumerate((("throughput_tok_s", "output tokens / s"), ("tpot_ms_mean", "TPOT (ms)"))):
             ax = axes[row][col]
             for p in result["policies"]:
@@ -722,7 +792,8 @@ def plot(result: dict[str, Any], path: Path, title: str) -> None:
                 if not pts:
                     continue
                 style = {"linewidth": 2.4, "color": "black"} if p == "adaptive" else \
-                    {"linestyle": "--"} if p in ("batch_table", "ema_tiers") else {"alpha": 0.8}
+                    {"linestyle": "--"} if p in ("batch_table", "ema_tiers") else \
+                    {"linestyle": ":", "linewidth": 1.0, "alpha": 0.7} if "@" in p else {"alpha": 0.8}
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", markersize=3, label=p, **style)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("concurrency (requests in flight)")

@@ -225,9 +225,10 @@ class SpeculativeConfig(Strict):
         """Fill `depth_policy` from the aliases (`adaptive: true`, a batch table, EMA parameters)."""
         if not isinstance(data, dict):
             return data
-        implied = [name for name, given in (("adaptive", data.get("adaptive") is True),
-                                            ("batch_table", data.get("num_speculative_tokens_per_batch_size") is not None),
-                                            ("ema_tiers", data.get("ema_tiers") is not None)) if given]
+        given = {"adaptive": data.get("adaptive") is True,
+                 "batch_table": data.get("num_speculative_tokens_per_batch_size") is not None,
+                 "ema_tiers": data.get("ema_tiers") is not None}
+        implied = [name for name, yes in given.items() if yes]
         chosen = data.get("depth_policy")
         names = set(implied) | ({chosen} if chosen is not None else set())
         if len(names) > 1:

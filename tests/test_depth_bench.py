@@ -21,7 +21,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 def _llm(tiny_pair, k=3, mode="peagle"):
     return LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, speculative_config={
-        "method": "eagle3", "model": tiny_pair[mode], "num_speculative_tokens": k, "parallel_drafting": mode == "peagle"})
+        "method": "eagle3", "model": tiny_pair[mode], "num_speculative_tokens": k,
+        "parallel_drafting": mode == "peagle"})
 
 
 @pytest.mark.parametrize("mode", ["peagle", "eagle3"])
@@ -134,3 +135,23 @@ def test_simulation_prefers_depth_at_low_load_and_tracks_the_best_fixed_k(tmp_pa
     for C in (1, 8, 64):
         assert by[("adaptive", C)]["throughput_tok_s"] >= 0.9 * best[C], C
     assert "SIMULATION" in (out / "adaptive_sim.md").read_text()
+
+
+def test_step_table_is_measured_and_feeds_the_simulation(tiny_pair, tmp_path):
+    pair = str(Path(tiny_pair["target"]).parent)
+    table = tmp_path / "steps.json"
+    assert S.main(["steps", "--shape", "tiny", "--pair", pair, "--batch-sizes", "1,2", "--k", "2", "--context", "8",
+                   "--warmup", "0", "--iters", "1", "--out", str(table)]) == 0
+    d = json.loads(table.read_text())
+    assert d["format"] == S.STEPS_FORMAT and d["K"] == 2
+    assert all(len(row) == 3 and all(t > 0 for t in row) for row in d["seconds"].values())
+    assert d["seconds_fixed"]["1"][0] is None and len(d["seconds_fixed"]["2"]) == 3 and d["seconds_none"]["2"] > 0
+    out = tmp_path / "sim"
+    assert adaptive_sim.main(["--steps", str(table), "--trace", "synthetic:0.5", "--concurrency", "1,2",
+                              "--policies", "none,K1,K2,adaptive,K1@2", "--max-tokens", "8", "--waves", "2",
+                              "--out", str(out)]) == 0
+    cells = json.loads((out / "adaptive_sim.json").read_text())["cells"]
+    assert {(c["policy"], c["concurrency"]) for c in cells} == {(p, C) for p in ("none", "K1", "K2", "adaptive", "K1@2")
+                                                               for C in (1, 2)}
+    assert adaptive_sim.main(["--steps", str(table), "--trace", "synthetic:0.5", "--policies", "K3",
+                              "--out", str(out)]) == 2  # deeper than the table: a clear error, not a traceback

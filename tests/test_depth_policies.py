@@ -114,3 +114,64 @@ def test_every_policy_keeps_plain_greedy_output(tiny_pair, mode):
         assert [reqs[i].output_ids for i in range(len(PROMPTS))] == ref, extra
         if "num_speculative_tokens_per_batch_size" in extra:
             assert {0, 2, 3} <= set(ks)  # the table really moved k with the batch size
+
+
+# --------------------------------------------------------------------------------------------
+# The adaptive policy's step-time grid and acceptance estimate
+# --------------------------------------------------------------------------------------------
+
+def test_step_grid_interpolates_in_batch_and_never_makes_deeper_cheaper():
+    from peagle_core.spec.adaptive import StepGrid
+
+    g = StepGrid({1: [10.0, 11.0, 13.0], 4: [16.0, 20.0, 19.0]})  # k = 2 at B = 4 measured "cheaper" than k = 1
+    assert g.step(1, 1) == 11.0 and g.step(4, 0) == 16.0
+    assert g.step(2, 0) == pytest.approx(10.0 + (16.0 - 10.0) / 3)   # linear in B between buckets
+    assert g.step(4, 2) == 20.0                                       # running max over k
+    assert g.step(7, 0) == pytest.approx(16.0 + 2.0 * 3)              # past the last bucket: its slope
+    g.observe(num_tokens=8, k=1, seconds=30.0, batch=4)               # a decode step at B = 4, k = 1
+    assert g.rows[1][1] == pytest.approx(20.0 + 0.2 * 10.0)
+    g.observe(num_tokens=12, k=1, seconds=99.0, batch=4)              # prompt tokens in it: not T(4, 1)
+    assert g.rows[1][1] == pytest.approx(22.0)
+    g.observe(num_tokens=4, k=1, seconds=12.0, batch=2)               # between buckets: error split 2/3, 1/3
+    pred = 11.0 + (22.0 - 11.0) / 3
+    assert g.rows[0][1] == pytest.approx(11.0 + 0.2 * (2 / 3) * (12.0 - pred))
+    assert g.rows[1][1] == pytest.approx(22.0 + 0.2 * (1 / 3) * (12.0 - pred))
+
+
+def test_adaptive_on_a_step_grid_picks_zero_k_and_full_depth_at_the_extremes():
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+
+    grid = StepGrid({1: [10.0 + 0.3 * k for k in range(8)], 64: [20.0 + 10.0 * k for k in range(8)]})
+    p = AdaptiveDepth(7, grid)
+    p.acceptance.reached = [1e9] * 7
+    p.acceptance.accepted = [0.9e9] * 7
+    assert p.choose(StepInfo(1, 0, 7)) == 7                 # verification nearly free: go deep
+    k64 = p.choose(StepInfo(64, 0, 7))
+    brute = max(range(8), key=lambda k: (1 - 0.9 ** (k + 1)) / 0.1 / (20.0 + 10.0 * k))
+    assert k64 == brute and k64 < 7                         # costly at batch 64: the argmax, not K
+    p.acceptance.accepted = [0.0] * 7
+    assert p.choose(StepInfo(64, 0, 7)) == 0
+
+
+def test_unreached_positions_borrow_the_rate_next_to_them():
+    from peagle_core.spec.adaptive import AcceptanceEstimate
+
+    est = AcceptanceEstimate(5)
+    for _ in range(100):  # depth 2 only, every draft accepted 9 times in 10
+        est.observe([(2, 2)] * 9 + [(2, 0)])
+    r = est.rates()
+    assert r[0] == pytest.approx(0.9, abs=0.02)
+    assert r[2] == pytest.approx(r[1], abs=1e-9) and r[4] == pytest.approx(r[1], abs=1e-9)  # not the 0.6 prior
+    assert r[1] > 0.9
+
+
+def test_engine_profiles_whole_steps_for_the_adaptive_policy(tiny_pair):
+    from peagle_core.spec.adaptive import StepGrid
+
+    llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, speculative_config={
+        "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
+        "adaptive": True})
+    g = llm.engine.policy.times
+    assert isinstance(g, StepGrid) and g.sizes == [1, 2, 4] and g.K == 3
+    assert all(t > 0 for row in g.rows for t in row)
+    assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # the profile took no blocks

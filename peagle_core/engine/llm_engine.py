@@ -119,11 +119,15 @@ class LLMEngine:
             from peagle_core.spec.baselines import from_config
 
             return from_config(spec)
-        from peagle_core.engine.profile import profile
-        from peagle_core.spec.adaptive import AdaptiveDepth, StepTimeModel
+        from peagle_core.spec.adaptive import AdaptiveDepth, StepTimeModel, profile_step_grid
 
-        points, draft = profile(self.runner, self.config.max_num_seqs * (self.K + 1))
-        times = StepTimeModel(points, draft_pass=draft, per_k_draft=self.mode == "eagle3")
+        try:  # whole verify steps per batch bucket and k (nothing is in the KV cache yet)
+            times = profile_step_grid(self.runner, self.config.max_num_seqs, self.K)
+        except ValueError:  # a KV cache too small for the grid's synthetic requests: the token-count profile
+            from peagle_core.engine.profile import profile
+
+            points, draft = profile(self.runner, self.config.max_num_seqs * (self.K + 1))
+            times = StepTimeModel(points, draft_pass=draft, per_k_draft=self.mode == "eagle3")
         return AdaptiveDepth(self.K, times, k_min=spec.min_num_speculative_tokens)
 
     def _num_blocks(self) -> int:

@@ -68,7 +68,7 @@ class ModelRunner:
     def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
         """Run one step; EAGLE-3 drafts `draft_len` tokens (its cost grows with it), P-EAGLE always K."""
         dev = self.device
-        ids, pos, draft_col, qsl = [], [], [], [0]
+        ids, pos, qsl = [], [], [0]
         for s in batch:
             r = s.req
             toks = r.token_ids[r.num_computed:r.num_computed + s.num_new] + r.drafts[:s.num_drafts]

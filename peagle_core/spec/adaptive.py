@@ -5,9 +5,12 @@
 a_j is the conditional acceptance of draft j given drafts 1..j-1 were accepted, estimated online
 with exponential forgetting, each position shrunk toward the one before it (the first toward a
 prior): a depth abandoned after bad luck drifts back and is tried again, and a depth not tried yet
-is judged by the evidence next to it. T comes from a step-time model: the target's cost as a function of the tokens it
-verifies, profiled at start-up and refined from live step times, plus the drafter's cost (constant
-in k for P-EAGLE, one pass per draft for EAGLE-3).
+is judged by the evidence next to it.
+
+T comes from a step-time model profiled at start-up and refined from live step times. The engine uses
+`StepGrid`: whole steps measured per batch-size bucket and k, so the drafter's cost (constant in k for
+P-EAGLE, one pass per draft for EAGLE-3) is in it. `StepTimeModel` (the target's cost as a function of
+tokens plus a drafter pass) remains for profiles of that form.
 """
 from __future__ import annotations
 
@@ -99,8 +102,119 @@ class StepTimeModel:
             self.times[i] += self.smoothing * (measured - self.times[i])
 
 
+class StepGrid:
+    """T(B, k) measured at start-up on real verify steps (`profile_step_grid`): B requests, each feeding
+    1 + k tokens after a cached context, through the runner's whole step (target, sampling, drafter;
+    CUDA graphs where the engine uses them). Linear in B between profiled batch sizes (the last slope
+    past them), exact in k. Live decode steps refine it: the error of each prediction is spread over
+    the two cells it was interpolated from.
+
+    The step is what the policy pays for, so it is measured whole: a model of the target's token count
+    alone misses the attention over the context, the drafter's dependence on B (and, for P-EAGLE's
+    input, on k) and the sampling, and on a CPU it was off by 2x either way."""
+
+    def __init__(self, times: dict[int, list[float]], smoothing: float = 0.2):
+        if not times or any(len(row) != len(next(iter(times.values()))) for row in times.values()):
+            raise ValueError("a step grid needs rows of T(B, k) for k = 0..K, the same K for every batch size")
+        self.sizes = sorted(times)
+        self.rows = [list(times[b]) for b in self.sizes]
+        self.K, self.smoothing = len(self.rows[0]) - 1, smoothing
+
+    def _weights(self, batch: int) -> list[tuple[int, float]]:
+        """(row, weight) pairs whose weighted sum is the linear interpolation (or extrapolation) at `batch`."""
+        s = self.sizes
+        if len(s) == 1:
+            return [(0, batch / s[0])]
+        i = bisect.bisect_left(s, batch)
+        if i < len(s) and s[i] == batch:
+            return [(i, 1.0)]
+        if i == 0:
+            return [(0, 1.0)]
+        i = min(i, len(s) - 1)  # past the last size: the last segment's slope
+        w = (batch - s[i - 1]) / (s[i] - s[i - 1])
+        return [(i - 1, 1.0 - w), (i, w)]
+
+    def step(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
+        k = min(k, self.K)
+        # A deeper verify never costs less than a shallower one: the running max over k keeps timing
+        # noise in the profile from making some k look cheaper than k - 1.
+        t = sum(w * max(self.rows[r][:k + 1]) for r, w in self._weights(max(batch, 1)))
+        if prefill_tokens:  # prompt tokens in the same step: the marginal cost of a verified token
+            top = self.rows[-1]
+            t += prefill_tokens * max(top[-1] - top[0], 0.0) / max(self.sizes[-1] * self.K, 1)
+        return t
+
+    def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
+        if batch <= 0 or k > self.K or num_tokens > batch * (1 + k):
+            return  # a step with prompt tokens in it does not measure T(B, k)
+        err = seconds - self.step(batch, k)
+        for r, w in self._weights(batch):
+            if not 0 < w <= 1:
+                continue
+            row = self.rows[r]
+            row[k] = max(row[k] + self.smoothing * w * err, 1e-6)
+            for j in range(k):  # a shallower cell above this one is what overpredicted: pull it down too
+                if row[j] > row[k]:
+                    row[j] += self.smoothing * w * (row[k] - row[j])
+
+
+def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, reps: int = 2) -> StepGrid:
+    """Time `runner.execute` on synthetic decode batches: B = 1, 2, 4, ... max_batch requests with
+    `context` tokens already cached (fewer when the KV cache is small), each verifying k = 0..K drafts.
+    The engine calls this at start-up, before any request: the K/V it writes land in free blocks that a
+    request overwrites before reading (every forward writes a position before attending to it)."""
+    import statistics
+    import time
+
+    import torch
+
+    from peagle_core.engine.request import Request
+    from peagle_core.engine.scheduler import Scheduled
+    from peagle_core.engine.types import SamplingParams
+
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch)
+    bs, num_blocks = runner.block_size, runner.target_cache.shape[2]
+    per_req = num_blocks // max_batch
+    ctx = min(context, per_req * bs - 2 * K - 2, runner.max_model_len - 2 * K - 2)
+    if ctx < 1:
+        raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) is too small to profile {max_batch} requests")
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    vocab = runner.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def batch_of(B: int, k: int) -> list[Scheduled]:
+        out = []
+        for i in range(B):
+            ids = torch.randint(0, vocab, (ctx + 1,), generator=gen).tolist()
+            req = Request(f"profile-{i}", ids, params)
+            req.num_computed = ctx
+            req.drafts = torch.randint(0, vocab, (K,), generator=gen).tolist()
+            req.block_table = list(range(i * per_req, (i + 1) * per_req))
+            out.append(Scheduled(req, 1, k))
+        return out
+
+    times: dict[int, list[float]] = {}
+    for B in sizes:
+        row = []
+        for k in range(K + 1):
+            batch = batch_of(B, k)
+            runner.execute(batch, draft_len=k)  # warm-up (and the first use of a CUDA graph)
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                runner.execute(batch, draft_len=k)  # ends in the step's device-to-host copy
+                ts.append(time.perf_counter() - t0)
+            row.append(statistics.median(ts))
+        times[B] = row
+    return StepGrid(times)
+
+
 class AdaptiveDepth(DepthPolicy):
-    def __init__(self, K: int, times: StepTimeModel, k_min: int = 0, prior: float = 0.6):
+    def __init__(self, K: int, times: "StepTimeModel | StepGrid", k_min: int = 0, prior: float = 0.6):
         if not 0 <= k_min <= K:
             raise ValueError(f"adaptive depth bounds must satisfy 0 <= min <= K, got {k_min}..{K}")
         self.K, self.k_min, self.times = K, k_min, times
@@ -126,8 +240,8 @@ class AdaptiveDepth(DepthPolicy):
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
         self.record(info, outcome, self.last.get("predicted_tokens_per_step"), self.last.get("predicted_step_s"))
         self.acceptance.observe(outcome.accepted)
-        if outcome.accepted:
-            self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, len(outcome.accepted))
+        if info.num_verify:  # k = 0 steps too: they are how the model learns what not speculating costs
+            self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
         if info.num_verify:  # a request that verified nothing (k = 0) emits exactly one token
             self.last["realized_tokens_per_step"] = (sum(a + 1 for _, a in outcome.accepted)
                                                      + max(0, info.num_verify - len(outcome.accepted)))
