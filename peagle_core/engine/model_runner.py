@@ -66,7 +66,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
-        """Run one step; EAGLE-3 drafts `draft_len` tokens (its cost grows with it), P-EAGLE always K."""
+        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify."""
         dev = self.device
         ids, pos, qsl = [], [], [0]
         for s in batch:
@@ -157,7 +157,9 @@ class ModelRunner:
                draft_len: int, uniform: bool = False):
         dev, K, B = self.device, self.K, len(batch)
         drafter = self.drafter
-        P = K if self.mode == "peagle" else 1
+        # P-EAGLE drafts what the next step will verify, in one pass (K when the depth is fixed);
+        # EAGLE-3's first pass has only the bonus slot.
+        P = min(K, draft_len) if self.mode == "peagle" else 1
         mask_id = self.mask_token_id if self.mode == "peagle" else 0
         d_ids, d_pos, is_rejected, is_masked, sample_idx, hidden_map = prepare_draft_inputs(
             input_ids, positions, next_ids, qsl, num_rejected, mask_id, P)
