@@ -21,14 +21,6 @@ MASK_ID = 253
 AUX = [1, 2, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread is faster and does not fight other test processes for the 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):

@@ -19,13 +19,6 @@ DAMP = 0.01  # 0 makes the target a pure bigram map; a little context keeps the 
 NUM_PROMPTS = 48
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def prompts(count: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
