@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from cluster.harmony import ChatDecoder, HarmonyParser, supports_harmony
+from peagle_core.loading.harmony import ChatDecoder, HarmonyParser, supports_harmony
 from cluster.settings import AppSettings
 from cluster.stats_board import lookup_board
 from cluster.telemetry import (ReplicaMetrics, extract_context, finished_spans, setup_tracing,

@@ -52,16 +52,24 @@ def run_generate(args) -> int:
                "acceptance_length": stats.acceptance_length, "num_drafts": stats.num_drafts,
                "num_draft_tokens": stats.num_draft_tokens, "num_accepted_tokens": stats.num_accepted_tokens,
                "num_accepted_tokens_per_pos": stats.num_accepted_tokens_per_pos}
+    texts = [answer(llm.tokenizer, o.outputs[0].token_ids) if args.chat else o.outputs[0].text for o in outs]
     if args.json:
-        print(json.dumps({"outputs": [o.outputs[0].text for o in outs], **summary}))
+        print(json.dumps({"outputs": texts, **summary}))
         return 0
-    for o in outs:
-        print(o.outputs[0].text)
+    for text in texts:
+        print(text)
         print("-" * 60)
     per_pos = [f"{a / stats.num_drafts:.2f}" for a in stats.num_accepted_tokens_per_pos] if stats.num_drafts else []
     print(f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), {llm.engine.num_steps} steps; "
           f"acceptance length {stats.acceptance_length:.2f}; per-position acceptance {' '.join(per_pos) or '-'}")
     return 0
+
+
+def answer(tokenizer, ids: list[int]) -> str:
+    """The final-channel text of a harmony chat reply (reasoning and headers dropped)."""
+    from peagle_core.loading.harmony import ChatDecoder
+
+    return ChatDecoder(tokenizer).push(ids, final=True)[0]
 
 
 def add_bench_parser(sub) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from cluster import protocol as P
-from cluster.harmony import HarmonyParser
+from peagle_core.loading.harmony import HarmonyParser
 from cluster.replica import EngineServer
 from cluster.router import Frontend, api, install_frontend
 from cluster.settings import parse_app_args
