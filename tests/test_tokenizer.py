@@ -393,3 +393,13 @@ def test_sharegpt_parsing_survives_truncation(tmp_path):
                                                 {"role": "assistant", "content": "Hello"}]
     assert corpus.to_messages(got[1], 1000) is None  # unknown speaker
     assert corpus.to_messages(got[0], 3) is None  # cap leaves no complete exchange
+
+
+def test_stop_filter_streams_up_to_the_stop_string_and_holds_back_prefixes():
+    from peagle_core.loading.tokenizer import StopFilter
+
+    f = StopFilter(["STOP"])
+    out = [f.push(chunk, final=False) for chunk in ("hel", "lo ST", "OP and more")]
+    assert out == ["hel", "lo ", ""] and f.stopped and f.emitted == "hello "
+    g = StopFilter(["STOP"])
+    assert g.push("a ST", final=False) == "a " and g.push("", final=True) == "ST" and not g.stopped

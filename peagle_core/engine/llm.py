@@ -9,6 +9,7 @@ from peagle_core.config import parse_engine_config
 from peagle_core.engine.llm_engine import LLMEngine
 from peagle_core.engine.request import Request
 from peagle_core.engine.types import CompletionOutput, RequestOutput, SamplingParams
+from peagle_core.loading.tokenizer import stop_string_match
 from peagle_core.spec.depth import DepthPolicy
 
 
@@ -51,9 +52,8 @@ def normalize_prompts(prompts) -> list[str | list[int]]:
 def to_output(req: Request, tokenizer) -> RequestOutput:
     ids = req.output_ids
     text = tokenizer.decode(ids) if tokenizer is not None else ""
-    for s in req.params.stop:
-        if s in text:
-            text = text[:text.index(s)]
+    cut = stop_string_match(text, req.params.stop)
+    text = text if cut is None else text[:cut]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                          [CompletionOutput(0, text, ids, req.finish_reason)], finished=req.finished,
                          spec_decode_stats=req.stats,

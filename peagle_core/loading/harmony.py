@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from peagle_core.loading.tokenizer import IncrementalDetokenizer, StopFilter
+
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>",
            "<|endoftext|>", "<|startoftext|>")
 _SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")
@@ -82,37 +84,20 @@ class ChatDecoder:
     """
 
     def __init__(self, tokenizer, stops: list[str] | None = None):
-        from peagle_core.loading.tokenizer import IncrementalDetokenizer
-
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
         self.parser = HarmonyParser()
-        self.stops = [s for s in (stops or []) if s]
-        self.content, self.sent, self.stopped = "", 0, False
+        self.content = StopFilter(stops)
 
     def push(self, ids: list[int], final: bool) -> tuple[str, str]:
         text = self.detok.push(ids)
         if final:
             text += self.detok.flush()
         content, reasoning = self.parser.feed(text, final=final)
-        return self._content(content, final), reasoning
+        return self.content.push(content, final), reasoning
 
-    def _content(self, new: str, final: bool) -> str:
-        if self.stopped:
-            return ""
-        self.content += new
-        hit = min((i for i in (self.content.find(s) for s in self.stops) if i >= 0), default=-1)
-        if hit >= 0:
-            self.stopped = True
-            upto = hit
-        elif final:
-            upto = len(self.content)
-        else:
-            held = max((n for s in self.stops for n in range(len(s) - 1, 0, -1) if self.content.endswith(s[:n])),
-                       default=0)
-            upto = len(self.content) - held
-        delta = self.content[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return delta
+    @property
+    def stopped(self) -> bool:
+        return self.content.stopped
 
 
 def supports_harmony(tokenizer) -> bool:

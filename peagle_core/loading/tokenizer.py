@@ -350,3 +350,29 @@ def holdback(text: str, stops: Sequence[str]) -> int:
                 n = k
                 break
     return n
+
+
+class StopFilter:
+    """Streams text up to the first stop string, holding back any suffix that may still become one."""
+
+    def __init__(self, stops: Sequence[str] | None):
+        self.stops = [s for s in (stops or []) if s]
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, new: str, final: bool) -> str:
+        """Add decoded text; returns what may be sent now (`stopped` turns True at a stop string)."""
+        if self.stopped:
+            return ""
+        self.text += new
+        hit = stop_string_match(self.text, self.stops)
+        if hit is not None:
+            self.stopped, upto = True, hit
+        else:
+            upto = len(self.text) - (0 if final else holdback(self.text, self.stops))
+        delta = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return delta
+
+    @property
+    def emitted(self) -> str:
+        return self.text[:self.sent]
