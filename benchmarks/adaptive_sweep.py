@@ -581,6 +581,8 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     out = Path(a.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     torch.manual_seed(a.seed)
+    if a.warmup_steps is None:
+        a.warmup_steps = 16 if device.type == "cuda" else 0
     fixed = fixed_ks(a.policies) or list(FIXED_DEFAULT)
     max_k = max(fixed)
     trace = Trace.load(a.replay) if a.replay else None
@@ -864,7 +866,9 @@ def parser() -> argparse.ArgumentParser:
                    "from this run's fixed-K cells)")
     s.add_argument("--max-tokens", type=int, default=128, help="mean output length (each request: 0.5x..1.5x)")
     s.add_argument("--waves", type=int, default=3, help="requests per concurrency level = waves x C")
-    s.add_argument("--warmup-steps", type=int, default=0, help="tokens of an untimed warm-up wave per level")
+    s.add_argument("--warmup-steps", type=int, default=None,
+                   help="tokens of an untimed warm-up wave per level (default: 16 on CUDA, where a level's first "
+                        "steps would otherwise time Triton compiling its prefill shapes; 0 on a CPU)")
     s.add_argument("--prompts", default=None, choices=["heldout", "random"],
                    help="heldout (tiny default) or random token ids (random-weight default)")
     s.add_argument("--prompt-len", type=int, default=128)

@@ -48,9 +48,9 @@ def write_checkpoint(args, device: torch.device, dtype: torch.dtype) -> Path:
     return path
 
 
-def engine(path: Path, tp: int, args, max_num_seqs: int) -> LLM:
+def engine(path: Path, tp: int, args, max_num_seqs: int, eager: bool) -> LLM:
     return LLM(str(path), device=args.device, dtype=args.dtype, tensor_parallel_size=tp, max_num_seqs=max_num_seqs,
-               max_model_len=args.context + args.steps + 64, kv_cache_memory_gb=args.kv_gb)
+               max_model_len=args.context + args.steps + 64, kv_cache_memory_gb=args.kv_gb, enforce_eager=eager)
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -101,24 +101,37 @@ def compare(path: Path, args, device: torch.device) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     result = {"shape": args.shape, "layers": args.layers or cfg.num_hidden_layers, "dtype": args.dtype,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-              "mxfp4_checkpoint": args.mxfp4, "tp": args.tp, "context": args.context, "runs": {}}
+              "mxfp4_checkpoint": args.mxfp4, "tp": args.tp, "context": args.context, "scale": args.scale, "runs": {}}
     outputs = {}
-    for tp in (1, args.tp):
-        llm = engine(path, tp, args, max(args.batch_sizes))
+    # TP > 1 runs eagerly (no CUDA graphs yet), so TP = 1 is timed both ways: eager is the like-for-like scaling
+    runs = [(1, False), (1, True), (args.tp, True)] if device.type == "cuda" else [(1, True), (args.tp, True)]
+    for tp, eager in runs:
+        llm = engine(path, tp, args, max(args.batch_sizes), eager)
+        name = f"tp{tp}" + ("_eager" if eager and device.type == "cuda" and tp == 1 else "")
         t = llm.engine.target
         run_ = {"weights_gb_per_rank": sum(p.numel() * p.element_size() for p in t.parameters()) / 1e9,
                 "kv_cache_gb_per_rank": llm.engine.runner.target_cache.numel() * t.lm_head.weight.element_size() / 1e9}
-        outputs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        run_["cuda_graphs"] = llm.engine.runner.graphs is not None
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         run_["decode"] = [decode_step_times(llm, b, args) for b in args.batch_sizes]
-        result["runs"][f"tp{tp}"] = run_
+        result["runs"][name] = run_
         llm.engine.shutdown()
         del llm
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    agree = [agreement(a, b) for a, b in zip(outputs[1], outputs[args.tp])]
+    agree = [agreement(a, b) for a, b in zip(outputs["tp1"], outputs[f"tp{args.tp}"])]
     result["greedy_agreement"] = {"tokens_per_prompt": args.tokens, "agreeing_prefix": agree,
-                                  "identical": all(n == args.tokens for n in agree)}
+                                  "identical": all(n == args.tokens for n in agree),
+                                  # every run against TP=1: eager vs graphs at TP=1 shows how far bf16 rounding
+                                  # alone moves a random model's greedy tokens
+                                  "vs_tp1": {name: [agreement(a, b) for a, b in zip(outputs["tp1"], outs)]
+                                             for name, outs in outputs.items() if name != "tp1"}}
     return result
+
+
+def label(name: str, run: dict) -> str:
+    tp = name[2:].split("_")[0]
+    return f"TP={tp}" + ("" if run.get("cuda_graphs") is None else (" graphs" if run["cuda_graphs"] else " eager"))
 
 
 def to_markdown(r: dict, command: str) -> str:
@@ -127,14 +140,15 @@ def to_markdown(r: dict, command: str) -> str:
              f"- date: {datetime.date.today().isoformat()}; command: `{command}`",
              f"- model: random GPT-OSS {r['shape']} shape, {r['layers']} layers, {r['dtype']}"
              f"{', MXFP4 checkpoint' if r['mxfp4_checkpoint'] else ''}; context {r['context']} tokens per request",
-             f"- greedy tokens agreeing (of {r['greedy_agreement']['tokens_per_prompt']} per prompt): "
-             f"{r['greedy_agreement']['agreeing_prefix']}", "",
-             "| batch | " + " | ".join(f"TP={k[2:]} step (ms)" for k in r["runs"]) + " |",
+             f"- greedy tokens agreeing with TP=1 (leading tokens, of {r['greedy_agreement']['tokens_per_prompt']} "
+             f"per prompt, scale {r.get('scale')}): " + "; ".join(
+                 f"{label(k, r['runs'][k])}: {v}" for k, v in r["greedy_agreement"].get("vs_tp1", {}).items()), "",
+             "| batch | " + " | ".join(f"{label(k, v)} step (ms)" for k, v in r["runs"].items()) + " |",
              "|---|" + "---|" * len(r["runs"])]
     runs = list(r["runs"].values())
     for i, d in enumerate(runs[0]["decode"]):
         lines.append(f"| {d['batch']} | " + " | ".join(f"{x['decode'][i]['median_ms']:.2f}" for x in runs) + " |")
-    lines += ["", "| | " + " | ".join(f"TP={k[2:]}" for k in r["runs"]) + " |", "|---|" + "---|" * len(runs),
+    lines += ["", "| | " + " | ".join(label(k, v) for k, v in r["runs"].items()) + " |", "|---|" + "---|" * len(runs),
               "| weights per rank (GB) | " + " | ".join(f"{x['weights_gb_per_rank']:.3f}" for x in runs) + " |",
               "| KV cache per rank (GB) | " + " | ".join(f"{x['kv_cache_gb_per_rank']:.3f}" for x in runs) + " |"]
     return "\n".join(lines) + "\n"

@@ -50,11 +50,11 @@ def _load_kernels(interpret: bool) -> SimpleNamespace:
 @pytest.fixture
 def triton_interpret(monkeypatch):
     """Dispatch to Triton on CPU tensors, run by Triton's interpreter (TRITON_INTERPRET=1)."""
+    if torch.cuda.is_available():  # reloading the kernels interpreted would leave them so for the GPU tests
+        pytest.skip("interpreter tests run on machines without CUDA; here the compiled kernels are tested")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
     if not _triton_interpreted():
-        if torch.cuda.is_available():
-            pytest.skip("triton was imported in compiled mode for CUDA; run interpreter tests without CUDA")
         pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; set it in the environment")
     kernels = _load_kernels(interpret=True)
     previous = triton_enabled()

@@ -258,3 +258,27 @@ def test_replayed_graph_equals_the_uncaptured_padded_forward_exactly(tiny_pair):
             assert torch.equal(cache, want_cache), name
             cache.copy_(before)
         assert (4, q) in getattr(captured, name).graphs
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode,k", [("none", 0), ("peagle", 7), ("eagle3", 3)])
+def test_triton_kernels_with_graphs_give_the_reference_greedy_tokens(mode, k):
+    """The shipped pair on CUDA in fp32: Triton kernels + CUDA graphs against the PyTorch references run
+    eagerly. (A trained model: greedy margins are real, not the near-ties of random weights.)"""
+    from kernels.dispatch import set_triton_enabled, triton_enabled
+
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "The capital of France is", "Write a short poem about the sea."]
+    spec_cfg = None if mode == "none" else {"method": "eagle3", "model": f"tiny-{mode}", "num_speculative_tokens": k,
+                                            "parallel_drafting": mode == "peagle"}
+    outs, previous = {}, triton_enabled()
+    try:
+        for kernels_on in (True, False):
+            set_triton_enabled(kernels_on)
+            llm = LLM("tiny", speculative_config=spec_cfg, device="cuda", dtype="float32",
+                      enforce_eager=not kernels_on, max_num_seqs=4, max_model_len=256)
+            outs[kernels_on] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    finally:
+        set_triton_enabled(previous)
+    assert outs[True] == outs[False]

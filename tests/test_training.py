@@ -369,6 +369,21 @@ def test_bf16_autocast_step_runs(target_dir):
         assert d.fc.weight.dtype == torch.float32  # fp32 master weights
 
 
+def test_time_budget_fits_the_step_count_and_stretches_the_schedule(target):
+    examples = [Example(random_ids(24, i), [True] * 24) for i in range(2)]
+    cfg = TrainConfig(method="eagle3", num_depths=2, steps=1000, batch_size=2, lr=1e-3, warmup_ratio=0.1,
+                      time_budget_s=10.0)
+    tr = Trainer(target, make_drafter(target, "eagle3", 1), examples, cfg)
+    tr.step_num = 10
+    records = [{"step_time_s": 3.0}] + [{"step_time_s": 0.125}] * 9  # the first step (compilation) is not counted
+    tr.fit_steps_to_budget(elapsed=4.0, records=records)
+    assert cfg.steps == 10 + 48 and cfg.warmup_steps == 6  # (10 s - 4 s) / 0.125 s more steps
+    tr.fit_steps_to_budget(elapsed=20.0, records=records)  # already over: at least one more step
+    assert cfg.steps == 11
+    with pytest.raises(ValueError, match="time budget"):
+        TrainConfig(time_budget_s=0)
+
+
 def test_cli_trains_and_writes_a_loadable_head(target_dir, tmp_path, capsys):
     from peagle_core.training.cli import main
 

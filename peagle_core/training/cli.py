@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--weight-decay", type=float, default=0.0)
     o.add_argument("--grad-clip", type=float, default=1.0)
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--time-budget-minutes", type=float,
+                   help="fit --steps to this wall time (step time measured over the first steps)")
     o.add_argument("--max-len", type=int, default=2048, help="truncate sequences to this many tokens")
 
     r = p.add_argument_group("regeneration (train on the target's own responses)")
@@ -151,7 +153,8 @@ def train_from_args(args: argparse.Namespace) -> dict:
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       cod_ratio=args.cod_ratio, cod_ratio_min=args.cod_ratio_min,
                       sequence_partitions=args.sequence_partitions, loss=args.loss, feed=args.eagle3_feed,
-                      seed=args.seed, dtype=dtype, share_target_embeddings=args.share_target_embeddings)
+                      seed=args.seed, dtype=dtype, share_target_embeddings=args.share_target_embeddings,
+                      time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None)
     trainer = Trainer(target, drafter, examples, cfg, max_len=args.max_len)
     records = trainer.train(args.log_jsonl, progress=not args.no_progress, out=args.out, save_every=args.save_every)
     last = records[-1]

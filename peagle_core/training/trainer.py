@@ -33,6 +33,9 @@ from peagle_core.training.peagle import PeagleMask, cod_sample, peagle_sequence_
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+BUDGET_PROBE_STEPS = 10  # steps timed before a time budget fixes the step count
+
+
 @dataclass
 class TrainConfig:
     method: Literal["peagle", "eagle3"] = "peagle"
@@ -52,6 +55,7 @@ class TrainConfig:
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
     share_target_embeddings: bool = False  # freeze embed/LM head at the target's and omit them on save
+    time_budget_s: float | None = None  # fit `steps` to this wall time (measured over the first steps)
 
     def __post_init__(self) -> None:
         if self.method not in ("peagle", "eagle3"):
@@ -72,6 +76,8 @@ class TrainConfig:
         if not 0 < self.cod_ratio <= 1 or not 0 <= self.cod_ratio_min <= 1:
             raise ValueError(f"COD ratios must lie in (0, 1] and [0, 1]; got cod_ratio={self.cod_ratio}, "
                              f"cod_ratio_min={self.cod_ratio_min}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
         if self.loss not in ("kl", "ce"):
             raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
 
@@ -226,6 +232,14 @@ class Trainer:
                 "grad_norm": float(grad_norm), "tokens": tokens, "elements": sum(stats.count),
                 "max_attn_tokens": stats.max_attn_tokens, "tokens_per_s": tokens / dt, "step_time_s": dt}
 
+    def fit_steps_to_budget(self, elapsed: float, records: list[dict]) -> None:
+        """Shrink `steps` so the run ends inside the time budget. The learning-rate schedule reads
+        cfg.steps at every step, so warm-up and decay stretch to the new length."""
+        per_step = sum(r["step_time_s"] for r in records[1:]) / max(1, len(records) - 1)  # first: compile, caches
+        fit = self.step_num + int((self.cfg.time_budget_s - elapsed) / per_step)
+        if fit < self.cfg.steps:
+            self.cfg.steps = max(self.step_num + 1, fit)
+
     def train(self, log_jsonl: str | Path | None = None, progress: bool = True, out: str | Path | None = None,
               save_every: int = 0) -> list[dict]:
         """Run `cfg.steps` steps with a progress bar; one JSON line per step; checkpoints under `out`."""
@@ -236,9 +250,13 @@ class Trainer:
         try:
             bar = tqdm(total=self.cfg.steps - self.step_num, disable=not progress, desc=f"train {self.cfg.method}",
                        dynamic_ncols=True)
+            started = time.perf_counter()
             while self.step_num < self.cfg.steps:
                 rec = self.step()
                 records.append(rec)
+                if self.step_num == BUDGET_PROBE_STEPS and self.cfg.time_budget_s:
+                    self.fit_steps_to_budget(time.perf_counter() - started, records)
+                    bar.total = self.cfg.steps
                 if log:
                     log.write(json.dumps(rec) + "\n")
                     log.flush()

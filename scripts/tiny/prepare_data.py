@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +26,29 @@ def corpus_module():
     return mod
 
 
+# A function header with its docstring, the way code-completion prompts end: the target then writes the body.
+DOCSTRING_DEF = re.compile(r'(?m)^[ \t]*def \w+\([^)]*\)[^:\n]*:\n[ \t]+("""|\'\'\')[\s\S]{10,600}?\1\n')
+
+
+def code_prompts(corpus: Path, n: int, rng: random.Random) -> list[dict]:
+    """Up to n prompts from the corpus's Python source: some preceding context, then `def ...:` and its
+    docstring. Drawn from the training corpus (HumanEval itself stays held out)."""
+    found = []
+    for line in corpus.open():
+        doc = json.loads(line)
+        for m in DOCSTRING_DEF.finditer(doc.get("text", "")):
+            found.append({"text": doc["text"][max(0, m.start() - 200):m.end()]})
+    rng.shuffle(found)
+    return found[:n]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="data")
     ap.add_argument("--corpus", default="data/tiny_corpus.jsonl")
     ap.add_argument("--num-prompts", type=int, default=4096)
+    ap.add_argument("--num-code-prompts", type=int, default=2048,
+                    help="extra prompts ending after a Python function's signature and docstring")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
@@ -52,13 +71,15 @@ def main() -> None:
             start = rng.randrange(0, max(1, len(doc["text"]) - 400))
             prompts.append({"text": doc["text"][start:start + 300]})
     rng.shuffle(prompts)
+    prompts = prompts[:args.num_prompts] + code_prompts(corpus, args.num_code_prompts, rng)
+    rng.shuffle(prompts)
     with (out / "regen_prompts.jsonl").open("w") as f:
-        for p in prompts[:args.num_prompts]:
+        for p in prompts:
             f.write(json.dumps(p) + "\n")
     mod = corpus_module()
     heldout = {"mtbench": mod.load_heldout("mtbench"), "humaneval": mod.load_heldout("humaneval")}
     (out / "heldout.json").write_text(json.dumps(heldout))
-    print({k: len(v) for k, v in heldout.items()}, len(prompts[:args.num_prompts]), "regeneration prompts")
+    print({k: len(v) for k, v in heldout.items()}, len(prompts), "regeneration prompts")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,10 +23,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(cmd: list[str]) -> float:
+def run(*cmds: list[str]) -> float:
+    """Run the commands side by side, one GPU each when there are enough (else they share); fail if any fails."""
     t0 = time.time()
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    procs = []
+    gpus = torch.cuda.device_count()
+    for i, cmd in enumerate(cmds):
+        print("+", " ".join(cmd), flush=True)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i)) if len(cmds) > 1 and gpus >= len(cmds) else None
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a training command failed (exit codes {codes})")
     return time.time() - t0
 
 
@@ -52,10 +61,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data", help="folder written by prepare_data.py")
     ap.add_argument("--out", default="out/tiny")
+    ap.add_argument("--target", help="an already trained target directory: skip pretraining")
+    ap.add_argument("--regen-data", help="already regenerated responses (JSONL): skip regeneration")
+    ap.add_argument("--stop-after", choices=["regen", "heads", "eval"], default="eval")
     ap.add_argument("--pretrain-minutes", type=float, default=4.0)
-    ap.add_argument("--regen-prompts", type=int, default=2048)
-    ap.add_argument("--regen-tokens", type=int, default=192)
+    ap.add_argument("--regen-prompts", type=int, default=6144)
+    ap.add_argument("--regen-tokens", type=int, default=160)
     ap.add_argument("--head-steps", type=int, default=600)
+    ap.add_argument("--head-minutes", type=float, help="fit the head steps to this wall time")
     ap.add_argument("--eval-tokens", type=int, default=128)
     args = ap.parse_args()
     data, out = Path(args.data), Path(args.out)
@@ -63,23 +76,37 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     "torch": torch.__version__, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     py = sys.executable
-    report["pretrain_s"] = run([py, "scripts/tiny/pretrain.py", "--tokens", str(data / "tiny_tokens.pt"),
-                                "--out", str(out / "target"), "--minutes", str(args.pretrain_minutes)])
-    report["regenerate"] = regenerate(out / "target", data / "regen_prompts.jsonl", out / "regen.jsonl",
-                                      args.regen_tokens, args.regen_prompts)
+    target = Path(args.target) if args.target else out / "target"
+    if not args.target:
+        report["pretrain_s"] = run([py, "scripts/tiny/pretrain.py", "--tokens", str(data / "tiny_tokens.pt"),
+                                    "--out", str(target), "--minutes", str(args.pretrain_minutes)])
+    regen = Path(args.regen_data) if args.regen_data else out / "regen.jsonl"
+    if not args.regen_data:
+        report["regenerate"] = regenerate(target, data / "regen_prompts.jsonl", regen, args.regen_tokens,
+                                          args.regen_prompts)
+    if args.stop_after == "regen":
+        return finish(out, report)
     heads = {"peagle": out / "peagle", "eagle3": out / "eagle3"}
-    common = ["--target", str(out / "target"), "--data", str(out / "regen.jsonl"), "--steps", str(args.head_steps),
+    common = ["--target", str(target), "--data", str(regen), "--steps", str(args.head_steps),
               "--batch-size", "16", "--max-len", "896", "--lr", "1e-3", "--warmup-ratio", "0.05",
               "--aux-layers", "1,3,5", "--intermediate-size", "768", "--share-target-embeddings", "--no-progress"]
-    report["peagle_train_s"] = run([py, "-m", "peagle_core.training.cli", "train", *common, "--method", "peagle",
-                                    "--num-depths", "8", "--layers", "2", "--mask-token-id", "9",
-                                    "--out", str(heads["peagle"]), "--log-jsonl", str(out / "peagle_train.jsonl")])
-    report["eagle3_train_s"] = run([py, "-m", "peagle_core.training.cli", "train", *common, "--method", "eagle3",
-                                    "--num-depths", "5", "--layers", "1",
-                                    "--out", str(heads["eagle3"]), "--log-jsonl", str(out / "eagle3_train.jsonl")])
+    if args.head_minutes:
+        common += ["--time-budget-minutes", str(args.head_minutes)]
+    report["heads_train_s"] = run(
+        [py, "-m", "peagle_core.training.cli", "train", *common, "--method", "peagle", "--num-depths", "8",
+         "--layers", "2", "--mask-token-id", "9", "--out", str(heads["peagle"]),
+         "--log-jsonl", str(out / "peagle_train.jsonl")],
+        [py, "-m", "peagle_core.training.cli", "train", *common, "--method", "eagle3", "--num-depths", "5",
+         "--layers", "1", "--out", str(heads["eagle3"]), "--log-jsonl", str(out / "eagle3_train.jsonl")])
+    if args.stop_after == "heads":
+        return finish(out, report)
     report["eval_s"] = run([py, "scripts/tiny/evaluate.py", "--pair", str(out), "--prompts", "80",
                             "--max-tokens", str(args.eval_tokens), "--out", str(out / "eval"),
                             "--device", "cuda" if torch.cuda.is_available() else "cpu"])
+    finish(out, report)
+
+
+def finish(out: Path, report: dict) -> None:
     (out / "train_report.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks/, one section per lent-machine call (each well inside 10 minutes).
+# Results land in $OUT (the device tool brings them back); run from the repository root:
+#   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, MoE tiles, `peagle bench`
+#   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
+#   bash benchmarks/gpu_run.sh sweep     # one H200: adaptive depth sweep (20B shape, replayed acceptance)
+#   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then the sweep
+# The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
+           tests/test_kernels_spec.py tests/test_graphs.py"
+
+case "${1:-}" in
+  bench)  # one H200: GPU tests, where a bs-1 step's time goes, MoE decode tiles, then `peagle bench`
+    timeout 130 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -n 80 > "$OUT/gpu_tests.log"
+    tail -n 3 "$OUT/gpu_tests.log"
+    timeout 90 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
+    timeout 100 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3
+    timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  pair-tp)  # two H200s: the tiny pair's heads (one GPU each), then TP=1 vs TP=2 at the 20B shape
+    PEAGLE_TRITON=0 timeout 330 python3 scripts/tiny/train_pair.py --target peagle_core/assets/tiny/target \
+      --regen-data data/regen.jsonl --stop-after heads --head-steps 4000 --head-minutes "${HEAD_MINUTES:-4}" \
+      --out /tmp/pair > "$OUT/pair.log" 2>&1
+    tail -n 5 "$OUT/pair.log"
+    tar czf "$OUT/pair.tgz" -C /tmp/pair peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
+    timeout 250 python3 -m peagle_core.parallel_bench --shape 20b --tp 2 --device cuda --batch-sizes 1,8,32 \
+      --context 1024 --out "$OUT" 2>&1 | tail -n 30
+    ;;
+  sweep)  # one H200: adaptive depth at the 20B shape, acceptance replayed from the tiny pair's trace
+    timeout "${SWEEP_TIMEOUT:-420}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
+      --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves 2 --max-tokens 96 \
+      --time-budget-s "${SWEEP_BUDGET:-330}" --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | tail -n 40
+    tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
+    ;;
+  tp-sweep)  # two H200s: graph tests, the bf16 TP=1/TP=2 agreement with sharp logits, then the sweep
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/test_graphs.py 2>&1 \
+      | tail -n 60 > "$OUT/graph_tests.log"
+    tail -n 12 "$OUT/graph_tests.log"
+    timeout 200 python3 -m peagle_core.parallel_bench --shape 20b --tp 2 --device cuda --batch-sizes 1,8 \
+      --context 1024 --scale 30 --out "$OUT/tp" 2>&1 | tail -n 16
+    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-250} SWEEP_BUDGET=${SWEEP_BUDGET:-190} bash "$0" sweep
+    ;;
+  *) echo "usage: $0 bench|pair-tp|sweep|tp-sweep" >&2; exit 2 ;;
+esac

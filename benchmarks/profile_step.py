@@ -1,0 +1,112 @@
+"""Where a bs-1 step's time goes on the GPU: kernel times from torch.profiler, 20B shape, random weights.
+
+    python benchmarks/profile_step.py --out "$OUT"        # one H200, about a minute
+
+For a plain decode step and a verify step of k = 7, each replayed from CUDA graphs and run eagerly: the step's
+wall time (CUDA events, median), the sum of its kernels' times, and the kernels grouped by name (calls and
+microseconds per step). Wall time minus kernel time is what launches and gaps between kernels cost.
+Writes profile.json and profile.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peagle_core.bench import (Layout, build_random, decode_step_bytes, make_runner, measure,  # noqa: E402
+                               release_caches, synthetic_batch, target_config)
+from peagle_core.models.gpt_oss import GptOss  # noqa: E402
+
+
+def kernel_table(prof, steps: int) -> list[dict]:
+    """Kernels grouped by name: calls and device microseconds per step, largest first."""
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", 0.0)
+        rows.append({"kernel": e.key[:120], "calls_per_step": e.count / steps, "us_per_step": us / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int) -> dict:
+    dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
+    runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
+    batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
+    with torch.inference_mode():
+        wall = measure(lambda: runner.execute(batch), dev, warmup=5, iters=30).median_ms
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])) as prof:
+            for _ in range(steps):
+                runner.execute(batch)
+            sync()
+    table = kernel_table(prof, steps)
+    del runner
+    release_caches(target)
+    nbytes = decode_step_bytes(target, layout.context, 1, tokens_per_req=1 + k).total
+    return {"k": k, "graphs": graphs, "wall_ms": wall, "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3,
+            "bytes": nbytes, "kernels": table}
+
+
+def render(res: dict) -> str:
+    out = [f"# Step profile ({res['shape']} shape, bs 1, context {res['context']})", "",
+           f"Machine: {res['gpu']}; torch {res['torch']}; {res['date']}.", "", f"Command: `{res['command']}`", "",
+           "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms |", "| --- | --- | --- | --- | --- | --- |"]
+    for c in res["cases"]:
+        bound = c["bytes"] / res["bandwidth_tb_s"] / 1e9
+        out.append(f"| {'decode' if c['k'] == 0 else 'verify k=%d' % c['k']} | {'yes' if c['graphs'] else 'no'} | "
+                   f"{c['wall_ms']:.3f} | {c['kernel_ms']:.3f} | {c['wall_ms'] - c['kernel_ms']:.3f} | {bound:.3f} |")
+    for c in res["cases"]:
+        out += ["", f"## {'decode' if c['k'] == 0 else 'verify k=%d' % c['k']}, "
+                    f"{'CUDA graphs' if c['graphs'] else 'eager'}: kernels", "",
+                "| kernel | calls / step | us / step | share |", "| --- | --- | --- | --- |"]
+        for r in c["kernels"][:15]:
+            out.append(f"| `{r['kernel'][:80]}` | {r['calls_per_step']:.0f} | {r['us_per_step']:.1f} | "
+                       f"{100 * r['us_per_step'] / 1e3 / c['kernel_ms']:.1f}% |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="20b", choices=["tiny", "20b"])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10, help="profiled steps per case")
+    ap.add_argument("--bandwidth-tb-s", type=float, default=4.31, help="for the bandwidth-bound column")
+    ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run, no kernel table)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("profile_step.py: no CUDA device (--device cpu for a smoke run)")
+    import datetime
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(a.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = build_random(lambda: GptOss(target_config(a.shape)), dev, dtype, 0)
+    layout = Layout.for_run(a.context, 7, 1)
+    res = {"shape": a.shape, "context": a.context, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
+           "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
+    for k in (0, 7):
+        for graphs in (True, False):
+            try:
+                res["cases"].append(profile_case(target, layout, k, graphs, a.steps, seed=1 + k))
+            except Exception as e:  # keep what the other cases measured
+                res.setdefault("errors", []).append(f"k={k} graphs={graphs}: {type(e).__name__}: {e}")
+            c = res["cases"][-1] if res["cases"] else None
+            if c:
+                print(f"k={c['k']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms, kernels {c['kernel_ms']:.3f} ms; "
+                      f"top: " + ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us" for r in c["kernels"][:4]),
+                      flush=True)
+            (out / "profile.json").write_text(json.dumps(res, indent=1))
+    (out / "profile.md").write_text(render(res))
+
+
+if __name__ == "__main__":
+    main()
