@@ -122,6 +122,24 @@ def test_bytes_per_step_equal_a_hand_computation():
     assert b3.kv == 3 * b.kv
     assert b3.parts["experts"] == pytest.approx(4 * L * 3.5 * expert)
     assert b3.parts["embedding"] == 4 * 3 * H
+    # a verify step of 1 + 3 tokens for one request: four tokens' experts and rows, K/V over 20 + 4 positions
+    v = decode_step_bytes(model, context, tokens_per_req=4)
+    assert v.parts["experts"] == pytest.approx(4 * L * E * (1 - (1 - k / E) ** 4) * expert)
+    assert v.parts["embedding"] == 4 * 4 * H
+    assert v.kv == 4 * 2 * kv * (8 + 24 + 8 + 24)
+
+
+def test_packed_mxfp4_experts_are_priced_at_their_bytes_and_filled_with_sane_scales():
+    cfg = tiny_target_config()
+    packed = bench.build_random(lambda: GptOss(cfg, mxfp4_experts=True), torch.device("cpu"), torch.float32, 0)
+    H, L, I, k = 64, 4, 64, 2
+    b = decode_step_bytes(packed, 20)
+    per_expert = 3 * I * H * 17 // 32 + 4 * (2 * I + H)  # 4-bit codes + one scale byte per 32, fp32 biases
+    assert b.parts["experts"] == pytest.approx(L * k * per_expert)
+    scales = packed.model.layers[0].mlp.experts.w1_scales
+    weight_rms = 2.0 ** (scales.float() - 127).mean() * bench.MXFP4_RMS  # E8M0: 2^(s - 127)
+    assert 0.5 < weight_rms * H ** 0.5 < 2  # about 1/sqrt(fan_in), like the dense random weights
+    assert packed.model.layers[0].mlp.experts.w1_blocks.unique().numel() > 200  # random bytes, not zeros
 
 
 def test_bytes_per_step_at_the_real_shapes_match_the_issue_calibration():
