@@ -72,7 +72,7 @@ def render(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="20b", choices=["tiny", "20b"])
     ap.add_argument("--context", type=int, default=1024)
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.31, help="for the bandwidth-bound column")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run, no kernel table)")
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("profile_step.py: no CUDA device (--device cpu for a smoke run)")
     import datetime
@@ -91,16 +91,16 @@ def main() -> None:
     target = build_random(lambda: GptOss(target_config(a.shape)), dev, dtype, 0)
     layout = Layout.for_run(a.context, 7, 1)
     res = {"shape": a.shape, "context": a.context, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "date": datetime.date.today().isoformat(), "command": "python " + " ".join(sys.argv),
+           "date": datetime.date.today().isoformat(), "command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
     for k in (0, 7):
-        for graphs in (True, False):
+        for graphs in (True, False) if dev.type == "cuda" else (False,):
             try:
-                res["cases"].append(profile_case(target, layout, k, graphs, a.steps, seed=1 + k))
+                c = profile_case(target, layout, k, graphs, a.steps, seed=1 + k)
             except Exception as e:  # keep what the other cases measured
                 res.setdefault("errors", []).append(f"k={k} graphs={graphs}: {type(e).__name__}: {e}")
-            c = res["cases"][-1] if res["cases"] else None
-            if c:
+            else:
+                res["cases"].append(c)
                 print(f"k={c['k']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms, kernels {c['kernel_ms']:.3f} ms; "
                       f"top: " + ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us" for r in c["kernels"][:4]),
                       flush=True)

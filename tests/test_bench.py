@@ -272,3 +272,21 @@ def test_big_shape_retries_shallower_after_running_out_of_memory(tmp_path, monke
     assert res["layers_run"] == 4 and res["truncated"] is True
     assert res["step_ms"] == pytest.approx(10.0 + 5 * (10.0 - 6.0) / 2)  # 9 layers: 5 more at 2 ms each
     assert res["truncated_roofline_fraction"] == pytest.approx(1000 / 1e12 / 10e-3)
+
+
+def test_profile_script_smoke_run_on_cpu(tmp_path):
+    """benchmarks/profile_step.py end to end at the tiny shape (on a CPU: eager cases, no kernel table)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--shape", "tiny", "--context", "16", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "profile.json").read_text())
+    assert [(c["k"], c["graphs"]) for c in res["cases"]] == [(0, False), (7, False)] and "errors" not in res
+    assert all(c["wall_ms"] > 0 and c["bytes"] > 0 for c in res["cases"])
+    assert res["cases"][1]["bytes"] > res["cases"][0]["bytes"]  # a verify step reads more experts
+    assert "| verify k=7 | no |" in (tmp_path / "profile.md").read_text()
