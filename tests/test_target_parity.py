@@ -128,3 +128,24 @@ def test_batched_equal_length_forward_equals_one_by_one(tmp_path):
         one, _ = model(a, ForwardMeta.for_sequences([20]))
         two, _ = model(b, ForwardMeta.for_sequences([20]))
     assert torch.allclose(both, torch.cat([one, two]), atol=1e-5)
+
+
+def test_rotary_cos_sin_are_computed_once_per_forward_with_identical_results(tmp_path, monkeypatch):
+    """Every layer rotates at the same positions: the forward computes cos/sin once, bit for bit what each
+    layer would compute itself."""
+    import contextlib
+
+    from peagle_core.models.layers import Rotary
+
+    cfg = tiny_target_config()
+    model = build_target(tmp_path / "t", cfg, seed=3).eval()
+    ids, meta = torch.randint(0, cfg.vocab_size, (12,)), ForwardMeta.for_sequences([7, 5])
+    calls, cos_sin = [], Rotary.cos_sin
+    monkeypatch.setattr(Rotary, "cos_sin", lambda self, p, d: calls.append(1) or cos_sin(self, p, d))
+    with torch.no_grad():
+        shared, _ = model(ids, meta)
+        assert len(calls) == 1
+        monkeypatch.setattr(Rotary, "once_for", lambda self, p, d: contextlib.nullcontext())
+        per_layer, _ = model(ids, meta)
+    assert len(calls) == 1 + cfg.num_hidden_layers
+    assert torch.equal(shared, per_layer)

@@ -55,7 +55,7 @@ class Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig, num_aux: int = 3):
         super().__init__()
         self.config = cfg
-        rotary = Rotary(llama_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        rotary = self.rotary = Rotary(llama_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.fc = nn.Linear(num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DrafterLayer(cfg, True, rotary)
@@ -79,9 +79,11 @@ class Drafter(nn.Module):
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: ForwardMeta
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed hidden for the LM head, pre-norm hidden that EAGLE-3 feeds back)."""
-        x, residual = self.midlayer(hidden, hidden, meta, self.embed_tokens(input_ids))
-        for layer in self.layers.values():
-            x, residual = layer(x, residual, meta, None)
+        embeds = self.embed_tokens(input_ids)
+        with self.rotary.once_for(meta.positions, embeds.dtype):
+            x, residual = self.midlayer(hidden, hidden, meta, embeds)
+            for layer in self.layers.values():
+                x, residual = layer(x, residual, meta, None)
         prenorm = x + residual
         return self.norm(prenorm), prenorm
 

@@ -91,7 +91,7 @@ class Body(nn.Module):
     def __init__(self, cfg: GptOssConfig, tp_size: int = 1, mxfp4_experts: bool = False):
         super().__init__()
         inv_freq, factor = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        rotary = Rotary(inv_freq, factor)
+        rotary = self.rotary = Rotary(inv_freq, factor)  # one, shared by every layer (no parameters)
         heads, kv_heads = cfg.num_attention_heads // tp_size, cfg.num_key_value_heads // tp_size
         inter = cfg.intermediate_size // tp_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -122,10 +122,11 @@ class GptOss(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.model.embed_tokens(input_ids)
         aux: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in self.aux_layer_ids:
-                aux[i] = h
-            h = layer(h, meta)
+        with self.model.rotary.once_for(meta.positions, h.dtype):
+            for i, layer in enumerate(self.model.layers):
+                if i in self.aux_layer_ids:
+                    aux[i] = h
+                h = layer(h, meta)
         if len(self.model.layers) in self.aux_layer_ids:
             aux[len(self.model.layers)] = h
         aux_cat = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
