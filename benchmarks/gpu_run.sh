@@ -5,11 +5,12 @@
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh sweep     # one H200: adaptive depth sweep (20B shape, replayed acceptance)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then the sweep
-# The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it).
+# The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp also
+# needs data/regen.jsonl (scripts/tiny/train_pair.py --stop-after regen, on any machine; carry it too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
-if [ -d .whl ]; then
+if [ -d .whl ] && ! PYTHONPATH=/tmp/site python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
@@ -20,7 +21,7 @@ GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_
 
 case "${1:-}" in
   bench)  # one H200: GPU tests, where a bs-1 step's time goes, MoE decode tiles, then `peagle bench`
-    timeout 130 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -n 80 > "$OUT/gpu_tests.log"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -n 80 > "$OUT/gpu_tests.log"
     tail -n 3 "$OUT/gpu_tests.log"
     timeout 90 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
     timeout 100 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3
