@@ -2,8 +2,8 @@
 
     python benchmarks/moe_tiles.py --out "$OUT"
 
-One GPT-OSS MoE layer (20B shape in bf16, 120B shape with packed MXFP4 experts), random weights, T tokens
-routed top-4. Each candidate `MoeTiles` replaces `kernels.triton_moe.moe_tiles` for small T; the layer is
+One GPT-OSS MoE layer as the engine builds it (20B shape in bf16, 120B shape with packed MXFP4 experts), random
+weights filled as `peagle bench` fills them, T tokens routed top-4. Each candidate `MoeTiles` replaces `kernels.triton_moe.moe_tiles` for small T; the layer is
 captured in a CUDA graph of 20 calls (launch costs as in the engine) and timed with CUDA events. Bandwidth =
 bytes of the experts the tokens select / time. Writes moe_tiles.json and moe_tiles.md.
 """
@@ -18,36 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels.triton_moe as tm  # noqa: E402
-from kernels.moe import moe, moe_mxfp4  # noqa: E402
+from peagle_core.bench import build_random, target_config  # noqa: E402
+from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
 # (block_m, up_n, down_n, block_k, num_warps, num_stages); the first is the shipped choice for T <= 32
 CANDIDATES = [(16, 32, 64, 128, 4, 4), (16, 32, 32, 128, 4, 4), (16, 16, 32, 128, 4, 4), (16, 16, 16, 256, 4, 4),
               (16, 32, 32, 256, 8, 3), (16, 64, 64, 128, 8, 4), (16, 32, 32, 128, 2, 4), (16, 16, 16, 128, 2, 5)]
-
-
-def layer(E: int, H: int, I: int, mxfp4: bool, g: torch.Generator) -> dict:
-    dev = "cuda"
-    p = {"rw": torch.randn(E, H, device=dev, generator=g).bfloat16() * H ** -0.5,
-         "rb": torch.zeros(E, device=dev, dtype=torch.bfloat16),
-         "b1": torch.zeros(E, 2 * I, device=dev, dtype=torch.bfloat16),
-         "b2": torch.zeros(E, H, device=dev, dtype=torch.bfloat16)}
-    if mxfp4:
-        p["w1b"] = torch.randint(0, 256, (E, 2 * I, H // 32, 16), device=dev, generator=g, dtype=torch.int32).to(torch.uint8)
-        p["w1s"] = torch.full((E, 2 * I, H // 32), 120, device=dev, dtype=torch.uint8)
-        p["w2b"] = torch.randint(0, 256, (E, H, I // 32, 16), device=dev, generator=g, dtype=torch.int32).to(torch.uint8)
-        p["w2s"] = torch.full((E, H, I // 32), 120, device=dev, dtype=torch.uint8)
-        p["expert_bytes"] = (2 * I * H + H * I) * 17 // 32
-    else:
-        p["w1"] = torch.randn(E, 2 * I, H, device=dev, generator=g).bfloat16() * H ** -0.5
-        p["w2"] = torch.randn(E, H, I, device=dev, generator=g).bfloat16() * I ** -0.5
-        p["expert_bytes"] = (2 * I * H + H * I) * 2
-    return p
-
-
-def call(p: dict, x: torch.Tensor, mxfp4: bool):
-    if mxfp4:
-        return moe_mxfp4(x, p["rw"], p["rb"], p["w1b"], p["w1s"], p["b1"], p["w2b"], p["w2s"], p["b2"], 4, 1.702, 7.0)
-    return moe(x, p["rw"], p["rb"], p["w1"], p["b1"], p["w2"], p["b2"], 4, 1.702, 7.0)
 
 
 def time_graph(fn, reps: int = 20, trials: int = 5) -> float:
@@ -80,17 +56,21 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     shipped = tm.moe_tiles
     rows = []
-    for name, E, mx in (("20b-bf16", 32, False), ("120b-mxfp4", 128, True)):
-        p = layer(E, 2880, 2880, mx, g)
+    for name, shape, mx in (("20b-bf16", "20b", False), ("120b-mxfp4", "120b", True)):
+        # one MoE layer as the engine builds it, random weights as `peagle bench` fills them
+        layer = build_random(lambda: MoE(target_config(shape), mxfp4_experts=mx), torch.device("cuda"),
+                             torch.bfloat16, 0)
+        E = layer.router.weight.shape[0]
+        expert_bytes = sum(p.numel() * p.element_size() for p in layer.experts.parameters()) / E
         for T in (int(t) for t in a.tokens.split(",")):
             x = torch.randn(T, 2880, device="cuda", generator=g).bfloat16()
             with torch.no_grad():
-                experts = torch.topk(x.float() @ p["rw"].float().T, 4).indices.unique().numel()
-            nbytes = experts * p["expert_bytes"]
+                experts = torch.topk(x.float() @ layer.router.weight.float().T, layer.top_k).indices.unique().numel()
+            nbytes = experts * expert_bytes
             for c in CANDIDATES:
                 tm.moe_tiles = lambda n, k, c=c: tm.MoeTiles(*c) if n <= 32 else shipped(n, k)
                 try:
-                    us = time_graph(lambda: call(p, x, mx))
+                    us = time_graph(lambda: layer(x))
                     row = {"layer": name, "T": T, "tiles": c, "us": us, "experts": experts,
                            "tb_s": nbytes / us / 1e6}
                 except Exception as e:  # a tile the compiler refuses (shared memory, ...)
@@ -100,7 +80,7 @@ def main() -> None:
                 rows.append(row)
                 print(row, flush=True)
             del x
-        del p
+        del layer
         torch.cuda.empty_cache()
     (out / "moe_tiles.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages) | us | TB/s |", "| --- | --- | --- | --- | --- |"]

@@ -77,3 +77,21 @@ def triton_cuda(monkeypatch):
     set_triton_enabled(None)
     yield kernels
     set_triton_enabled(previous)
+
+
+def assert_graph_replays_exactly(fn, x: torch.Tensor) -> None:
+    """`fn()` (reading `x`) captures into a CUDA graph with no host sync, and a replay after new values are
+    written into `x` equals running `fn()` again, bit for bit."""
+    eager = fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture (compilation, lazy allocations)
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    x.normal_()  # new inputs, same buffers
+    graph.replay()
+    torch.testing.assert_close(out, fn(), atol=0, rtol=0)
+    assert not torch.equal(out, eager)

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from kernel_utils import triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernel_utils import assert_graph_replays_exactly, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.dispatch import use_triton
 from kernels.moe import moe_mxfp4, moe_mxfp4_ref, moe_ref, route, swiglu
 from peagle_core import LLM, SamplingParams
@@ -190,19 +190,7 @@ def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled):
 def test_moe_mxfp4_cuda_graph_capture(mx_cuda):
     """No host sync: the packed MoE captures into a CUDA graph and replays exactly."""
     p = {k: v.cuda() for k, v in make_packed(2, 256, 128, 16, dtype=torch.bfloat16).items()}
-    eager = moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0)
-    p["x"].normal_()
-    graph.replay()
-    torch.testing.assert_close(out, moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0), atol=0, rtol=0)
-    assert not torch.equal(out, eager)
+    assert_graph_replays_exactly(lambda: moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0), p["x"])
 
 
 # --------------------------------------------------------------------------------------------

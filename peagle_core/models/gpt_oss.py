@@ -60,8 +60,7 @@ def _frozen(*shape: int) -> nn.Parameter:
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: GptOssConfig, num_experts: int | None = None, inter: int | None = None,
-                 mxfp4_experts: bool = False):
+    def __init__(self, cfg: GptOssConfig, inter: int | None = None, mxfp4_experts: bool = False):
         super().__init__()
         self.router = Router(cfg.hidden_size, cfg.num_local_experts)
         self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, inter or cfg.intermediate_size, mxfp4_experts)
