@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from peagle_core import LLM, SamplingParams
-from peagle_core.engine.graphs import GraphRunner, graph_buckets, is_uniform_decode, make_graph_runner
+from peagle_core.engine.graphs import GraphRunner, graph_buckets, is_uniform_decode, make_graph_runner, token_buckets
 from peagle_core.engine.request import Request
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.models.layers import ForwardMeta
@@ -85,6 +85,9 @@ def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
     assert graph_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
     with pytest.raises(ValueError, match="max_num_seqs"):
         graph_buckets(0)
+    assert token_buckets(16) == [16]
+    assert token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert token_buckets(512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 
 
 def test_only_uniform_decode_steps_are_the_graph_case():
@@ -110,22 +113,29 @@ def test_capture_needs_cuda_and_the_engine_stays_eager_on_cpu(tiny_pair):
         GraphRunner(runner, MAX_SEQS, capture=True)
 
 
-@pytest.mark.parametrize("mode,k,draft_lens", [("none", 0, None), ("peagle", 3, [3, 4, 5, 6]),
-                                               ("eagle3", 3, [1, 2, 3, 4])])
-def test_capture_all_covers_every_decode_shape_largest_first(tiny_pair, monkeypatch, mode, k, draft_lens):
-    graphs = GraphRunner(make_llm(tiny_pair, mode, k).engine.runner, MAX_SEQS, capture=False)
+@pytest.mark.parametrize("mode,k,draft_lens,masks", [("none", 0, None, 0), ("peagle", 3, [3, 4, 5, 6], 2),
+                                                     ("eagle3", 3, [1, 2, 3, 4], 0)])
+@pytest.mark.parametrize("budget", [None, 100])
+def test_capture_all_covers_every_step_shape_largest_first(tiny_pair, monkeypatch, mode, k, draft_lens, masks, budget):
+    graphs = GraphRunner(make_llm(tiny_pair, mode, k).engine.runner, MAX_SEQS, capture=False,
+                         max_num_batched_tokens=budget)
     graphs.capture = True  # record what would be captured (capturing needs CUDA)
     order = []
     monkeypatch.setattr("peagle_core.engine.graphs.GraphSet.capture_one",
                         lambda self, key: (order.append((self.name, key)), self.graphs.__setitem__(key, None)))
     assert graphs.capture_all() == len(order)
     buckets = graph_buckets(MAX_SEQS)
-    want = {("target", (b, q)) for b in buckets for q in range(1, k + 2)}
-    want |= {("drafter", (b, q)) for b in buckets for q in draft_lens or []}
+    want = {("target", (b, b * q)) for b in buckets for q in range(1, k + 2)}
+    want |= {("drafter", (b, b * q)) for b in buckets for q in draft_lens or []}
+    if budget:  # mixed steps: max_num_seqs + 1 requests, tokens up to the budget (+ P-EAGLE's MASK slots)
+        want |= {("target", (MAX_SEQS + 1, t)) for t in token_buckets(budget)}
+        if mode != "none":
+            want |= {("drafter", (MAX_SEQS + 1, t)) for t in token_buckets(budget + MAX_SEQS * masks)}
     assert set(order) == want and len(order) == len(want)
-    tokens = [b * q for _, (b, q) in order]
+    tokens = [t for _, (_, t) in order]
     assert tokens == sorted(tokens, reverse=True)
-    assert order[0][1] == (MAX_SEQS, max(k + 1, *(draft_lens or [0])))  # the largest: max_num_seqs x (K+1) or 2K
+    if not budget:  # the largest: max_num_seqs x (K+1) or 2K
+        assert order[0][1] == (MAX_SEQS, MAX_SEQS * max(k + 1, *(draft_lens or [0])))
     assert graphs.capture_all() == len(order) and len(order) == len(want)  # nothing captured twice
 
 
@@ -134,17 +144,24 @@ def test_capture_all_covers_every_decode_shape_largest_first(tiny_pair, monkeypa
 # ---------------------------------------------------------------------------------------------
 
 
-def uniform_batch(runner, computed: list[int], q: int, seed: int = 0) -> tuple[torch.Tensor, ForwardMeta]:
-    """Requests with `computed` cached tokens each feeding q tokens; request b owns blocks 4b..4b+3."""
+def uniform_batch(runner, computed: list[int], q: int | list[int], seed: int = 0) -> tuple[torch.Tensor, ForwardMeta]:
+    """Requests with `computed` cached tokens each feeding q tokens (or q[b]); request b owns blocks 4b..4b+3."""
     g = torch.Generator().manual_seed(seed)
     B = len(computed)
-    positions = torch.cat([torch.arange(c, c + q) for c in computed])
+    qs = torch.tensor(q if isinstance(q, list) else [q] * B)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, qs.tolist())])
     block_tables = torch.arange(4 * B).view(B, 4)
-    req = torch.arange(B).repeat_interleave(q)
-    meta = ForwardMeta(positions=positions, query_start_loc=torch.arange(B + 1) * q,
-                       seq_lens=torch.tensor(computed) + q, slot_mapping=runner.slots(positions, req, block_tables),
+    req = torch.arange(B).repeat_interleave(qs)
+    meta = ForwardMeta(positions=positions, query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), qs.cumsum(0)]),
+                       seq_lens=torch.tensor(computed) + qs, slot_mapping=runner.slots(positions, req, block_tables),
                        block_tables=block_tables)
-    return torch.randint(0, 250, (B * q,), generator=g), meta
+    return torch.randint(0, 250, (positions.shape[0],), generator=g), meta
+
+
+def run_padded(gs, ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta, uniform: bool = True):
+    key = gs.key(meta.seq_lens.shape[0], ids.shape[0], uniform, meta.block_tables.shape[1])
+    assert key is not None
+    return gs.run(ids, hidden, meta, key)
 
 
 def changed_slots(cache: torch.Tensor, before: torch.Tensor) -> set[int]:
@@ -154,24 +171,29 @@ def changed_slots(cache: torch.Tensor, before: torch.Tensor) -> set[int]:
 
 
 @torch.inference_mode()
-def test_padded_forward_matches_eager_and_writes_only_real_slots(tiny_pair):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_padded_forward_matches_eager_and_writes_only_real_slots(tiny_pair, mixed):
     llm = make_llm(tiny_pair, "peagle", 3)
     runner = llm.engine.runner
-    graphs = GraphRunner(runner, MAX_SEQS, capture=False)
+    graphs = GraphRunner(runner, MAX_SEQS, capture=False, max_num_batched_tokens=64)
     for name, cache, q, run in [
         ("target", runner.target_cache, 4, lambda ids, h, meta: runner.target(ids, meta)),
         ("drafter", runner.drafter_cache, 5, lambda ids, h, meta: runner.drafter(ids, h, meta)),
     ]:
         cache.normal_(generator=torch.Generator().manual_seed(1))
         before = cache.clone()
-        ids, meta = uniform_batch(runner, [5, 17, 9], q)  # 3 requests: padded to 4
-        hidden = torch.randn(ids.shape[0], runner.drafter.config.hidden_size) if name == "drafter" else None
+        # 3 requests: padded to 4 of q tokens each, or (unequal lengths) to 7 requests and 24 tokens
+        ids, meta = uniform_batch(runner, [5, 17, 9], [q, 11, 2] if mixed else q)
+        T = ids.shape[0]
+        hidden = torch.randn(T, runner.drafter.config.hidden_size) if name == "drafter" else None
         eager = run(ids, hidden, meta)
         after_eager = cache.clone()
         cache.copy_(before)
         gs = getattr(graphs, name)
-        padded = gs.run(ids, hidden, meta)
-        assert gs.num_padded == 1 and gs.seq_lens[3] == 0 and (gs.slot_mapping[3 * q:4 * q] == -1).all()
+        padded = run_padded(gs, ids, hidden, meta, uniform=not mixed)
+        Bp, Tp = (MAX_SEQS + 1, 24) if mixed else (4, 4 * q)
+        assert gs.num_padded == 1 and (gs.seq_lens[3:Bp] == 0).all() and (gs.slot_mapping[T:Tp] == -1).all()
+        assert gs.query_start_loc[Bp] == Tp and (gs.query_start_loc[3:Bp + 1].diff() >= 0).all()
         for e, p in zip(eager, padded):
             if e is None:
                 assert p is None
@@ -183,25 +205,28 @@ def test_padded_forward_matches_eager_and_writes_only_real_slots(tiny_pair):
         # A smaller batch next: stale rows of the first one (block tables, hidden) must not matter.
         ids2, meta2 = uniform_batch(runner, [30], q, seed=2)
         hidden2 = hidden[:q] if hidden is not None else None
-        for e, p in zip(run(ids2, hidden2, meta2), gs.run(ids2, hidden2, meta2)):
+        for e, p in zip(run(ids2, hidden2, meta2), run_padded(gs, ids2, hidden2, meta2)):
             if e is not None:
                 torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode,k", CASES)
-def test_padded_graph_path_gives_the_eager_runners_steps(tiny_pair, reference, mode, k):
-    """Token for token, acceptance for acceptance and draft for draft, every step equals the eager runner."""
+@pytest.mark.parametrize("budget", [None, 512])
+def test_padded_graph_path_gives_the_eager_runners_steps(tiny_pair, reference, mode, k, budget):
+    """Token for token, acceptance for acceptance and draft for draft, every step equals the eager runner;
+    without a token budget only decode steps take the graph path, with one every step does."""
     expected = [reference[tuple(p)][:n] for p, n in zip(PROMPTS, MAX_TOKENS)]
     eager_out, eager_steps = drive(make_llm(tiny_pair, mode, k), reference, seed=k)
     llm = make_llm(tiny_pair, mode, k)
-    graphs = llm.engine.runner.graphs = GraphRunner(llm.engine.runner, MAX_SEQS, capture=False)
+    graphs = llm.engine.runner.graphs = GraphRunner(llm.engine.runner, MAX_SEQS, capture=False,
+                                                    max_num_batched_tokens=budget)
     out, steps = drive(llm, reference, seed=k)
     assert eager_out == expected
     assert out == expected
     assert [r for _, r in steps] == [r for _, r in eager_steps]
     num_uniform = sum(u for u, _ in steps)
-    assert 0 < num_uniform < len(steps)  # prefill steps ran eagerly
-    assert graphs.target.num_replays == num_uniform and graphs.target.num_padded > 0
+    assert 0 < num_uniform < len(steps)  # some steps hold prefill chunks
+    assert graphs.target.num_replays == (len(steps) if budget else num_uniform) and graphs.target.num_padded > 0
     if mode != "none":
         assert graphs.drafter.num_replays >= num_uniform and graphs.drafter.num_padded > 0
         accepted = [a for u, r in steps if u for a in r.num_accepted]
@@ -226,8 +251,10 @@ def test_cuda_graphs_give_eager_greedy_tokens_bf16(tiny_pair, reference, mode, k
         assert (graphs is None) == eager
         outs[eager], steps = drive(llm, reference, seed=k)
         if not eager:
-            assert graphs.num_graphs == len(graph_buckets(MAX_SEQS)) * ((k + 1) + (0 if mode == "none" else k + 1))
-            assert graphs.target.num_replays == sum(u for u, _ in steps) > 0 and graphs.target.num_padded > 0
+            decode = len(graph_buckets(MAX_SEQS)) * ((k + 1) + (0 if mode == "none" else k + 1))
+            mixed = sum(len(s.mixed_buckets) for s in graphs.sets())
+            assert graphs.num_graphs == decode + mixed and mixed > 0
+            assert graphs.target.num_replays == len(steps) and graphs.target.num_padded > 0  # every step
     assert outs[False] == outs[True]
 
 
@@ -248,16 +275,16 @@ def test_replayed_graph_equals_the_uncaptured_padded_forward_exactly(tiny_pair):
                                                "block_tables")})
         hidden = (torch.randn(ids.shape[0], runner.drafter.config.hidden_size, device="cuda", dtype=torch.bfloat16)
                   if name == "drafter" else None)
-        want = [None if o is None else o.clone() for o in getattr(plain, name).run(ids, hidden, meta)]
+        want = [None if o is None else o.clone() for o in run_padded(getattr(plain, name), ids, hidden, meta)]
         want_cache = cache.clone()
         cache.copy_(before)
         for _ in range(2):  # the first call captures, the second replays
-            got = getattr(captured, name).run(ids, hidden, meta)
+            got = run_padded(getattr(captured, name), ids, hidden, meta)
             for w, g in zip(want, got):
                 assert (w is None and g is None) or torch.equal(w, g), name
             assert torch.equal(cache, want_cache), name
             cache.copy_(before)
-        assert (4, q) in getattr(captured, name).graphs
+        assert (4, 4 * q) in getattr(captured, name).graphs
 
 
 @pytest.mark.gpu

@@ -1,17 +1,21 @@
-"""CUDA graphs for decode-shaped steps: the target's verify forward and the drafter's forward.
+"""CUDA graphs for every step shape: the target's forward and the drafter's forward.
 
-A step where every request feeds its one last token plus the same number k of drafts (no prefill
-chunk) has a fixed shape once the number of requests is padded to a bucket (1, 2, 4, 8, 16, 24, ...,
-max_num_seqs). Those steps replay a captured graph; every other step runs eagerly. Graphs are keyed by
-(padded requests, tokens per request):
-  target   q = 1 + k tokens per request, k = 0..K          -> up to max_num_seqs x (K+1) tokens
-  drafter  P-EAGLE: q - 1 + K slots per request (K..2K)    -> up to max_num_seqs x 2K tokens
-           EAGLE-3: q slots, then 1 per extra pass
-The padded requests get q tokens each too, so the attention kernel sees the same tokens per request
-(the same tiles) as in the eager step; only its KV split count may differ, as it also reads the block-table
-width, which a graph fixes at max_model_len. Padding is harmless: padded tokens write no K/V (slot -1)
-and attend to nothing (seq_len 0); their outputs are never read. A step where one request verifies
-fewer drafts than the others (near its max_tokens or max_model_len) runs eagerly.
+A forward's shape is fixed once its requests and tokens are padded; graphs are keyed by
+(padded requests, padded tokens), in two families:
+  decode   every request feeds its last token plus the same k drafts (no prefill chunk): requests padded
+           to a bucket (1, 2, 4, 8, 16, 24, ..., max_num_seqs), each dummy fed the same q tokens, so the
+           attention kernel sees the same tiles as in the eager step;
+             target   q = 1 + k tokens per request, k = 0..K        -> up to max_num_seqs x (K+1) tokens
+             drafter  P-EAGLE: q - 1 + K slots per request (K..2K)  -> up to max_num_seqs x 2K tokens
+                      EAGLE-3: q slots, then 1 per extra pass
+  mixed    anything else (prefill chunks next to decodes, unequal k): tokens padded to a bucket (16, 24, 32,
+           48, ... up to the step's token budget), requests always padded to max_num_seqs + 1, the dummies
+           sharing the padded tokens. This works because nothing in a forward depends on how the tokens
+           split into requests except through device tensors: the attention grid is T // BLOCK_Q + B
+           (kernels/triton_attention.py), and the MoE and the rest see only T.
+Padding is harmless: padded tokens write no K/V (slot -1) and attend to nothing (seq_len 0); their
+outputs are never read. The attention kernel's KV split count also reads the block-table width, which
+a graph fixes at max_model_len. Steps larger than every bucket run eagerly.
 
 A replay copies the real inputs into static buffers sized for the largest bucket, pads the rest,
 replays, and returns views of static output buffers (valid until the same model's next replay).
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
 
 # (input ids [T], hidden [T, H] or None, meta) -> outputs (a None output stays None)
 Forward = Callable[[torch.Tensor, torch.Tensor | None, ForwardMeta], tuple[torch.Tensor | None, ...]]
-Key = tuple[int, int]  # (padded number of requests, tokens per request)
+Key = tuple[int, int]  # (padded number of requests, padded number of tokens)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -49,6 +53,15 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
     small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     return small + list(range(16, max_num_seqs, 8)) + [max_num_seqs]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token-count buckets of mixed steps: 16, 24, 32, 48, 64, ... (at most 1.5x padding), ending at max_tokens."""
+    out, b = [], 16
+    while b < max_tokens:
+        out += [t for t in (b, b * 3 // 2) if t < max_tokens]
+        b *= 2
+    return out + [max_tokens]
 
 
 def is_uniform_decode(batch: list[Scheduled]) -> bool:
@@ -60,11 +73,14 @@ def is_uniform_decode(batch: list[Scheduled]) -> bool:
 class GraphSet:
     """The graphs of one forward (target or drafter) and the static buffers they read and write."""
 
-    def __init__(self, name: str, forward: Forward, buckets: list[int], max_tokens_per_seq: int, max_blocks: int,
-                 hidden: tuple[int, torch.dtype] | None, device: torch.device, capture: bool, pool=None):
+    def __init__(self, name: str, forward: Forward, buckets: list[int], max_tokens_per_seq: int,
+                 mixed_buckets: list[int], max_blocks: int, hidden: tuple[int, torch.dtype] | None,
+                 device: torch.device, capture: bool, pool=None):
         self.name, self.forward, self.buckets, self.max_tokens_per_seq = name, forward, buckets, max_tokens_per_seq
+        self.mixed_buckets, self.mixed_seqs = mixed_buckets, buckets[-1] + 1  # >= 1 dummy owns the padded tokens
         self.capture, self.pool = capture, pool
-        B, T = buckets[-1], buckets[-1] * max_tokens_per_seq
+        B = self.mixed_seqs
+        T = max([buckets[-1] * max_tokens_per_seq, *mixed_buckets])
         long = dict(dtype=torch.long, device=device)
         self.input_ids = torch.zeros(T, **long)
         self.positions = torch.zeros(T, **long)
@@ -80,17 +96,22 @@ class GraphSet:
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
 
-    def covers(self, num_seqs: int, num_tokens: int, block_table_width: int) -> bool:
-        """Whether a uniform batch of this shape fits the buffers (else the caller runs eagerly)."""
-        return (0 < num_seqs <= self.buckets[-1] and num_tokens % num_seqs == 0
-                and 0 < num_tokens // num_seqs <= self.max_tokens_per_seq
-                and block_table_width <= self.block_tables.shape[1])
+    def key(self, num_seqs: int, num_tokens: int, uniform: bool, block_table_width: int) -> Key | None:
+        """The graph a step of this shape replays (decode family if `uniform`, else mixed); None: run eagerly."""
+        if block_table_width > self.block_tables.shape[1] or num_seqs < 1:
+            return None
+        q = num_tokens // num_seqs
+        if uniform and num_seqs <= self.buckets[-1] and q * num_seqs == num_tokens and 0 < q <= self.max_tokens_per_seq:
+            b = self.bucket(num_seqs)
+            return b, b * q
+        if self.mixed_buckets and num_seqs < self.mixed_seqs and 0 < num_tokens <= self.mixed_buckets[-1]:
+            return self.mixed_seqs, next(t for t in self.mixed_buckets if t >= num_tokens)
+        return None
 
-    def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta
+    def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta, key: Key
             ) -> tuple[torch.Tensor | None, ...]:
-        """The forward of a uniform batch (every request has T / B tokens), padded to its bucket."""
+        """The forward of a batch padded to `key` (from `self.key`)."""
         B, T = meta.seq_lens.shape[0], input_ids.shape[0]
-        key = (self.bucket(B), T // B)
         if self.capture and key not in self.graphs:
             self.capture_one(key)
         self._load(input_ids, hidden, meta, *key)
@@ -103,22 +124,22 @@ class GraphSet:
         return tuple(None if o is None else o[:T] for o in self.outputs)
 
     def capture_one(self, key: Key) -> None:
-        """Warm up, then capture the forward of `num_seqs` dummy requests of q tokens into the shared pool."""
-        num_seqs, q = key
-        self._pad(0, num_seqs, q)  # all dummies: the warm-up writes no K/V and reads none
+        """Warm up, then capture the forward of `num_seqs` dummy requests sharing `num_tokens` into the shared pool."""
+        num_seqs, num_tokens = key
+        self._pad(0, 0, num_seqs, num_tokens)  # all dummies: the warm-up writes no K/V and reads none
         try:
-            self._forward(num_seqs, q)  # warm-up outside the pool: Triton compiles, lazy caches (RoPE) fill
+            self._forward(num_seqs, num_tokens)  # warm-up outside the pool: Triton compiles, lazy caches fill
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(num_seqs, q)
+                self._forward(num_seqs, num_tokens)
         except Exception as e:
-            raise RuntimeError(f"CUDA graph capture of the {self.name} forward ({num_seqs} requests x {q} tokens) "
+            raise RuntimeError(f"CUDA graph capture of the {self.name} forward ({num_seqs} requests, {num_tokens} tokens) "
                                f"failed: {type(e).__name__}: {e}; set enforce_eager=True to run eagerly") from e
         self.graphs[key] = graph
 
     def _load(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta,
-              num_seqs: int, q: int) -> None:
+              num_seqs: int, num_tokens: int) -> None:
         B, T = meta.seq_lens.shape[0], input_ids.shape[0]
         self.input_ids[:T].copy_(input_ids)
         self.positions[:T].copy_(meta.positions)
@@ -129,21 +150,23 @@ class GraphSet:
         self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         if hidden is not None:
             self.hidden[:T].copy_(hidden)  # padded rows keep stale (finite) values; rows never mix
-        self._pad(B, num_seqs, q)
+        self._pad(B, T, num_seqs, num_tokens)
 
-    def _pad(self, B: int, num_seqs: int, q: int) -> None:
-        """Requests B..num_seqs-1 become dummies of q tokens: position 0, no K/V write, no keys to read."""
-        if num_seqs == B:
+    def _pad(self, B: int, T: int, num_seqs: int, num_tokens: int) -> None:
+        """Requests B..num_seqs-1 become dummies sharing tokens T..num_tokens-1 evenly (q each in a decode
+        step): position 0, no K/V write, no keys to read."""
+        n = num_seqs - B
+        if n == 0:
             return
-        T, Tp = B * q, num_seqs * q
-        self.input_ids[T:Tp].zero_()
-        self.positions[T:Tp].zero_()
-        self.slot_mapping[T:Tp].fill_(-1)
-        torch.arange(T, Tp + 1, q, out=self.query_start_loc[B:num_seqs + 1])
+        self.input_ids[T:num_tokens].zero_()
+        self.positions[T:num_tokens].zero_()
+        self.slot_mapping[T:num_tokens].fill_(-1)
+        qsl = self.query_start_loc[B:num_seqs + 1]
+        torch.arange(n + 1, out=qsl)
+        qsl.mul_(num_tokens - T).floor_divide_(n).add_(T)
         self.seq_lens[B:num_seqs].zero_()
 
-    def _forward(self, num_seqs: int, q: int) -> None:
-        T = num_seqs * q
+    def _forward(self, num_seqs: int, T: int) -> None:
         meta = ForwardMeta(positions=self.positions[:T], query_start_loc=self.query_start_loc[:num_seqs + 1],
                            seq_lens=self.seq_lens[:num_seqs], slot_mapping=self.slot_mapping[:T],
                            block_tables=self.block_tables[:num_seqs])
@@ -160,7 +183,8 @@ class GraphSet:
 class GraphRunner:
     """A ModelRunner's graphs: the target's verify forward and the drafter's forward, one memory pool."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool = True):
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool = True,
+                 max_num_batched_tokens: int | None = None):
         dev = runner.device
         if capture and not (dev.type == "cuda" and use_triton(torch.empty(0, device=dev))):
             raise ValueError("CUDA graphs need a CUDA device and the Triton kernels (the PyTorch reference "
@@ -170,28 +194,35 @@ class GraphRunner:
         self.buckets = graph_buckets(max_num_seqs)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         K, max_blocks = runner.K, -(-runner.max_model_len // runner.block_size)
+        # Mixed steps up to the scheduler's token budget (None: decode steps only); P-EAGLE's drafter adds
+        # K - 1 MASK slots per request to the target's tokens.
+        budget = max_num_batched_tokens
+        mixed = lambda extra: token_buckets(budget + extra) if budget else []
         target = runner.target
-        self.target = GraphSet("target", lambda ids, _, meta: target(ids, meta), self.buckets, K + 1, max_blocks, None,
-                               dev, capture, self.pool)
+        self.target = GraphSet("target", lambda ids, _, meta: target(ids, meta), self.buckets, K + 1, mixed(0),
+                               max_blocks, None, dev, capture, self.pool)
         self.drafter: GraphSet | None = None
         if runner.drafter is not None:
             d = runner.drafter
             self.draft_lens = range(K, 2 * K + 1) if runner.mode == "peagle" else range(1, K + 2)
+            masks = max_num_seqs * (K - 1) if runner.mode == "peagle" else 0
             self.drafter = GraphSet("drafter", lambda ids, h, meta: d(ids, h, meta), self.buckets, self.draft_lens[-1],
-                                    max_blocks, (d.config.hidden_size, d.fc.weight.dtype), dev, capture, self.pool)
+                                    mixed(masks), max_blocks, (d.config.hidden_size, d.fc.weight.dtype), dev,
+                                    capture, self.pool)
 
     def sets(self) -> list[GraphSet]:
         return [s for s in (self.target, self.drafter) if s is not None]
 
     @torch.inference_mode()
     def capture_all(self) -> int:
-        """Capture every shape a decode step can take, largest first; returns how many graphs exist."""
+        """Capture every shape a step can take, largest first; returns how many graphs exist."""
         if not self.capture:
             return 0
-        todo = [(self.target, (b, q)) for b in self.buckets for q in range(1, self.K + 2)]
+        todo = [(self.target, (b, b * q)) for b in self.buckets for q in range(1, self.K + 2)]
         if self.drafter is not None:
-            todo += [(self.drafter, (b, q)) for b in self.buckets for q in self.draft_lens]
-        for graphs, key in sorted(todo, key=lambda t: t[1][0] * t[1][1], reverse=True):
+            todo += [(self.drafter, (b, b * q)) for b in self.buckets for q in self.draft_lens]
+        todo += [(s, (s.mixed_seqs, t)) for s in self.sets() for t in s.mixed_buckets]
+        for graphs, key in sorted(todo, key=lambda t: t[1][1], reverse=True):
             if key not in graphs.graphs:
                 graphs.capture_one(key)
         return self.num_graphs
@@ -207,11 +238,11 @@ class GraphRunner:
 
 
 def make_graph_runner(runner: ModelRunner, max_num_seqs: int, enforce_eager: bool,
-                      tensor_parallel_size: int = 1) -> GraphRunner | None:
+                      tensor_parallel_size: int = 1, max_num_batched_tokens: int | None = None) -> GraphRunner | None:
     """Captured graphs where they work (CUDA, Triton kernels, one rank), else None (eager)."""
     dev = runner.device
     if enforce_eager or tensor_parallel_size > 1 or dev.type != "cuda" or not use_triton(torch.empty(0, device=dev)):
         return None
-    graphs = GraphRunner(runner, max_num_seqs, capture=True)
+    graphs = GraphRunner(runner, max_num_seqs, capture=True, max_num_batched_tokens=max_num_batched_tokens)
     graphs.capture_all()
     return graphs

@@ -100,10 +100,11 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
         self.runner = ModelRunner(self.target, self.drafter, self.mode, self.K, cfg.block_size, num_blocks,
                                   self.max_model_len, self.device, self.dtype, tcfg.vocab_size)
-        # CUDA graphs for decode steps (None: eager; always eager on CPU, without Triton or at TP > 1)
-        self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, self.tp.world_size)
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
         budget = cfg.max_num_batched_tokens or max(512, min(8192, self.max_model_len))
+        # CUDA graphs for every step up to the token budget (None: eager; always on CPU, without Triton or at TP > 1)
+        self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, self.tp.world_size,
+                                               budget)
+        self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
         self.policy = policy or self._default_policy()
         self.requests: dict[str, Request] = {}

@@ -46,7 +46,7 @@ class ModelRunner:
                     self.shared_hidden = drafter.shared_hidden()  # fc(mask_hidden), projected once
                 self.mask_token_id = drafter.config.mask_token_id
         self.global_generator = torch.Generator(device=device).manual_seed(0)
-        self.graphs: GraphRunner | None = None  # CUDA graphs for uniform decode steps (the engine sets them)
+        self.graphs: GraphRunner | None = None  # CUDA graphs (the engine sets them)
 
     def _bind_cache(self, model, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         layers = model.attention_layers()
@@ -85,7 +85,7 @@ class ModelRunner:
         req_of_token = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=len(ids))
         meta = ForwardMeta(positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
                            slot_mapping=self.slots(positions, req_of_token, block_tables), block_tables=block_tables)
-        uniform = self.graphs is not None and is_uniform_decode(batch)  # graph-shaped: no prefill, one k
+        uniform = is_uniform_decode(batch)  # no prefill, one k: the decode graphs' shape
         hidden, aux = self._forward(self.target, input_ids, None, meta, uniform)
 
         tokens, num_accepted, next_ids = self._verify(batch, hidden, qsl)
@@ -145,12 +145,11 @@ class ModelRunner:
 
     def _forward(self, model, input_ids, hidden, meta: ForwardMeta, uniform: bool):
         """The target's (hidden is None) or the drafter's forward; replayed from a graph when it can be."""
-        graphs = None
-        if uniform and self.graphs is not None:
+        if self.graphs is not None:
             graphs = self.graphs.target if model is self.target else self.graphs.drafter
-        if graphs is not None and graphs.covers(meta.seq_lens.shape[0], input_ids.shape[0],
-                                                meta.block_tables.shape[1]):
-            return graphs.run(input_ids, hidden, meta)
+            key = graphs.key(meta.seq_lens.shape[0], input_ids.shape[0], uniform, meta.block_tables.shape[1])
+            if key is not None:
+                return graphs.run(input_ids, hidden, meta, key)
         return model(input_ids, meta) if hidden is None else model(input_ids, hidden, meta)
 
     def _draft(self, batch, input_ids, positions, qsl, seq_lens, block_tables, aux, next_ids, num_rejected,
