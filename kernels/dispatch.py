@@ -30,3 +30,9 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return bool(_ENABLED) and interpret_mode()
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd would record this call: the Triton kernels have no backward, so such calls take the
+    reference (drafter training on a GPU). Inference runs under no_grad/inference_mode and never does."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

@@ -45,10 +45,9 @@ class DrafterLayer(nn.Module):
             residual = normed if self.norm_before_residual else x
             x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         else:
-            residual = x + residual
-            x = self.input_layernorm(residual)
-        residual = self.self_attn(x, meta) + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+            x, residual = self.input_layernorm.add_norm(x, residual)
+        x, residual = self.post_attention_layernorm.add_norm(self.self_attn(x, meta), residual)
+        return self.mlp(x), residual
 
 
 class Drafter(nn.Module):
@@ -84,8 +83,7 @@ class Drafter(nn.Module):
             x, residual = self.midlayer(hidden, hidden, meta, embeds)
             for layer in self.layers.values():
                 x, residual = layer(x, residual, meta, None)
-        prenorm = x + residual
-        return self.norm(prenorm), prenorm
+        return self.norm.add_norm(x, residual)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)

@@ -81,9 +81,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, inter=inter, mxfp4_experts=mxfp4_experts)
         self.all_reduce = lambda t: t  # replaced by tensor parallelism
 
-    def forward(self, h: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
-        h = h + self.all_reduce(self.self_attn(self.input_layernorm(h), meta))
-        return h + self.all_reduce(self.mlp(self.post_attention_layernorm(h)))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream enters as h + residual (h alone when residual is None) and leaves as the
+        returned pair's sum: each residual add is left to the norm after it, which fuses it (vLLM style)."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        h = self.all_reduce(self.self_attn(x, meta))
+        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.all_reduce(self.mlp(x)), residual
 
 
 class Body(nn.Module):
@@ -119,17 +124,18 @@ class GptOss(nn.Module):
         self.aux_layer_ids = list(ids)
 
     def forward(self, input_ids: torch.Tensor, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h = self.model.embed_tokens(input_ids)
+        h, residual = self.model.embed_tokens(input_ids), None
         aux: dict[int, torch.Tensor] = {}
         with self.model.rotary.once_for(meta.positions, h.dtype):
             for i, layer in enumerate(self.model.layers):
-                if i in self.aux_layer_ids:
-                    aux[i] = h
-                h = layer(h, meta)
+                if i in self.aux_layer_ids:  # the stream entering layer i (an add for the few aux layers only)
+                    aux[i] = h if residual is None else h + residual
+                h, residual = layer(h, residual, meta)
+        normed, h = self.model.norm.add_norm(h, residual)
         if len(self.model.layers) in self.aux_layer_ids:
             aux[len(self.model.layers)] = h
         aux_cat = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
-        return self.model.norm(h), aux_cat
+        return normed, aux_cat
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from kernels.attention import paged_attention, varlen_attention, write_kv
+from kernels.norm import add_rms_norm
+from kernels.rope import apply_rope
 
 
 @dataclass
@@ -39,7 +41,7 @@ class ForwardMeta:
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back."""
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 and cast back (one kernel on a GPU)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,9 +49,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel; a None residual adds nothing. Decoders carry
+        (x, residual) between blocks so that each residual add rides along with the next norm."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -94,13 +99,7 @@ class Rotary(nn.Module):
             cos, sin = shared[1], shared[2]
         else:
             cos, sin = self.cos_sin(positions, q.dtype)
-        return rotate(q, cos, sin), rotate(k, cos, sin)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX half-split rotation; cos and sin [T, 1, D/2] in x's dtype."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return apply_rope(q, k, cos, sin)
 
 
 def llama_inv_freq(head_dim: int, base: float, scaling: dict | None) -> list[float]:
@@ -166,7 +165,9 @@ class Attention(nn.Module):
 def masked_attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Dense attention under an explicit [T, T] boolean mask (drafter training); no sinks."""
     group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).transpose(0, 1)
-    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+    # 4-D [1, H, T, D] inputs: with 3-D ones SDPA takes its unfused math path ([H, T, T] fp32 scores in memory).
+    heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    k = heads_first(k.repeat_interleave(group, dim=1))
+    v = heads_first(v.repeat_interleave(group, dim=1))
+    o = torch.nn.functional.scaled_dot_product_attention(heads_first(q), k, v, attn_mask=mask, scale=scale)
+    return o[0].transpose(0, 1)
