@@ -10,11 +10,11 @@ from peagle_core.loading.checkpoint import load_drafter, load_target
 from peagle_core.models.layers import ForwardMeta
 from peagle_core.testing import build_target, tiny_target_config
 from peagle_core.training.data import Example, greedy_generate, load_examples, read_jsonl, regenerate, render_chat
-from peagle_core.training.eagle3 import eagle3_unroll
-from peagle_core.training.features import extract_features
-from peagle_core.training.losses import element_loss
-from peagle_core.training.peagle import (PeagleMask, assign_segments, cod_counts, cod_sample, peagle_forward,
-                                         peagle_sequence_backward, segment_elements, supervised_count)
+from peagle_core.training.eagle3 import eagle3_pass_loss, eagle3_unroll
+from peagle_core.training.features import extract_features, slot_valid
+from peagle_core.training.losses import DepthStats, element_loss
+from peagle_core.training.peagle import (assign_segments, cod_counts, cod_sample, peagle_forward, peagle_mask,
+                                         peagle_pass_loss, plan_passes, segment_elements)
 from peagle_core.training.trainer import TrainConfig, Trainer, init_drafter
 
 MASK_ID = 253
@@ -59,7 +59,7 @@ def test_mask_hand_example():
                            [1, 1, 1, 0, 0],
                            [1, 0, 0, 1, 0],
                            [1, 1, 0, 0, 1]], dtype=torch.bool)
-    assert torch.equal(PeagleMask(8)(anchor, depth), expect)
+    assert torch.equal(peagle_mask(anchor, depth, torch.zeros_like(anchor)), expect)
 
 
 @pytest.mark.parametrize("n,K,r,r_min", [(1, 3, 0.8, 0.2), (2, 4, 1.0, 0.2), (7, 3, 0.8, 0.2), (12, 5, 0.6, 0.3),
@@ -67,20 +67,22 @@ def test_mask_hand_example():
 def test_mask_equals_direct_rule(n, K, r, r_min):
     g = torch.Generator().manual_seed(n * 10 + K)
     anchor, depth = cod_sample(n, K, r, r_min, g)
-    masks = PeagleMask(4)  # smaller than n on purpose: the table grows once
-    got = masks(anchor, depth)
+    zero = torch.zeros_like(anchor)
     a, d = anchor.tolist(), depth.tolist()
     direct = torch.tensor([[rule(a[i], d[i], a[j], d[j]) for j in range(len(a))] for i in range(len(a))])
-    assert torch.equal(got, direct)
-    # a segment's forward (depth-0 prefix + owned elements) is sliced by the same table
+    assert torch.equal(peagle_mask(anchor, depth, zero), direct)
+    # a segment's forward (depth-0 prefix + owned elements) keeps the rule among its elements
     seg = assign_segments(anchor, depth, n, 3)
     idx, _ = segment_elements(depth, seg, 1)
-    assert torch.equal(masks(anchor[idx], depth[idx]), direct[idx][:, idx])
-
-
-def test_mask_rejects_non_depth_major_layout():
-    with pytest.raises(ValueError, match="depth-major"):
-        PeagleMask(4)(torch.tensor([1, 0]), torch.tensor([0, 0]))
+    assert torch.equal(peagle_mask(anchor[idx], depth[idx], zero[idx]), direct[idx][:, idx])
+    # packed after another unit, then reordered depth-major: the same rule inside, nothing across
+    (p,) = plan_passes([(anchor, depth)] * 2, [torch.ones(n, dtype=torch.bool)] * 2, [0, 100], max_elements=10**6)
+    unit = (p.start > 0).long()
+    a2, d2 = (p.key - p.start).tolist(), p.depth.tolist()
+    packed = torch.tensor([[unit[i] == unit[j] and rule(a2[i], d2[i], a2[j], d2[j]) for j in range(len(p))]
+                           for i in range(len(p))])
+    assert torch.equal(peagle_mask(p.key, p.depth, p.start), packed)
+    assert torch.equal(p.row - p.key + p.start, 100 * unit)  # feature rows follow each unit's sequence start
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,35 +174,44 @@ def make_drafter(target, method="peagle", layers=2, seed=1):
     return init_drafter(target, method, layers, seed, AUX, MASK_ID if method == "peagle" else None, 128)
 
 
+def single(target, n: int, seed: int) -> tuple:
+    """Features of one all-supervised random sequence and its `slot_valid`."""
+    return extract_features(target, [Example(random_ids(n, seed), [True] * n)], AUX, "cpu"), torch.ones(n - 1, dtype=torch.bool)
+
+
 def test_partitioned_loss_and_gradients_equal_single_pass(target):
-    feats = extract_features(target, [Example(random_ids(48, 0), [True] * 48)], AUX, "cpu")[0]
-    anchor, depth = cod_sample(feats.n - 1, 5, 0.8, 0.2, torch.Generator().manual_seed(0))
-    denom = supervised_count(feats, anchor, depth)
+    feats, valid = single(target, 48, 0)
+    sample = cod_sample(47, 5, 0.8, 0.2, torch.Generator().manual_seed(0))
     base = make_drafter(target)
     results = {}
     for P in (1, 2, 4):
         drafter = make_drafter(target)
         drafter.load_state_dict(base.state_dict())
-        loss, stats = peagle_sequence_backward(drafter, feats, anchor, depth, PeagleMask(64), MASK_ID, 5, denom, P)
+        passes = plan_passes([sample], [valid], [0], P)
+        denom, stats, loss = sum(len(p.charged) for p in passes), DepthStats(5), 0.0
+        for p in passes:
+            part = peagle_pass_loss(drafter, feats, p, MASK_ID, stats, denom)
+            part.backward()
+            loss += part.item()
         grads = {k: p.grad.clone() for k, p in drafter.named_parameters()}
-        results[P] = (loss, grads, stats.max_attn_tokens, stats.count)
-    loss1, grads1, tok1, count1 = results[1]
-    assert sum(count1) == denom
+        results[P] = (loss, grads, stats.max_attn_tokens, stats.summary()[1], denom)
+    loss1, grads1, tok1, count1, denom = results[1]
+    assert sum(count1) == denom == len(sample[0])
     for P in (2, 4):
-        loss, grads, tok, count = results[P]
+        loss, grads, tok, count, _ = results[P]
         assert abs(loss - loss1) / loss1 <= 1e-4
         assert count == count1
         for k in grads1:
             torch.testing.assert_close(grads[k], grads1[k], rtol=1e-4, atol=1e-6, msg=f"grad {k} (P={P})")
-    assert tok1 == len(anchor) > results[2][2] > results[4][2]          # the largest pass shrinks with P
+    assert tok1 == len(sample[0]) > results[2][2] > results[4][2]          # the largest pass shrinks with P
     # the loss is the count-normalised KL(target || draft), computed here the long way
     drafter = make_drafter(target)
     drafter.load_state_dict(base.state_dict())
+    (p,) = plan_passes([sample], [valid], [0])
     with torch.no_grad():
-        normed = peagle_forward(drafter, feats, anchor, depth, PeagleMask(64), MASK_ID)
-        logq = torch.log_softmax(drafter.compute_logits(normed), -1)
-        p = torch.softmax(target.compute_logits(feats.hidden[anchor + depth + 1]), -1)
-        kl = (p * (p.log() - logq)).sum(-1).mean().item()
+        logq = torch.log_softmax(drafter.compute_logits(peagle_forward(drafter, feats, p, MASK_ID)), -1)
+        probs = torch.softmax(target.compute_logits(feats.hidden[p.row + p.depth + 1]), -1)
+        kl = (probs * (probs.log() - logq)).sum(-1).mean().item()
     assert abs(kl - loss1) / kl <= 1e-4
 
 
@@ -213,6 +224,105 @@ def test_trainer_same_loss_every_step_for_p1_and_p4(target):
         losses[P] = [tr.step()["loss"] for _ in range(4)]
     for a, b in zip(losses[1], losses[4]):
         assert abs(a - b) / a <= 1e-4, losses
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_trainer_same_step_whether_sequences_are_packed_or_not(target, method):
+    examples = [Example(random_ids(30 + 5 * i, i), [j >= 6 for j in range(30 + 5 * i)]) for i in range(4)]
+    records = {}
+    for budget in (1, 10**6):  # one sequence per pass; the whole batch in one pass
+        cfg = TrainConfig(method=method, num_depths=3, steps=3, batch_size=3, lr=1e-3, seed=3, pass_elements=budget)
+        tr = Trainer(target, make_drafter(target, method), examples, cfg)
+        records[budget] = [tr.step() for _ in range(3)]
+    for a, b in zip(records[1], records[10**6]):
+        assert a["passes"] == 3 and b["passes"] == 1
+        assert abs(a["loss"] - b["loss"]) / a["loss"] <= 1e-4 and a["elements"] == b["elements"]
+        assert abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# the batched objective equals a plain per-sequence, per-element computation
+# --------------------------------------------------------------------------------------------
+
+
+def oracle_loss(target, drafter, examples, samples, method, kind="kl", feed="target"):
+    """One step's objective the slow, obvious way: each sequence alone, its mask pair by pair, each
+    element's target distribution from its own LM-head row. Backpropagates; returns (loss, counts per depth)."""
+    terms = []
+    for e, (anchor, depth) in zip(examples, samples):
+        n, a, d = len(e.input_ids), anchor.tolist(), depth.tolist()
+        with torch.no_grad():
+            hidden, aux = target(torch.tensor(e.input_ids), ForwardMeta.for_sequences([n]))
+        valid = e.loss_mask[2:] + e.loss_mask[-1:]
+        real = drafter.combine(aux)
+
+        def run(sel, ids, hid):
+            mask = torch.tensor([[rule(a[i], d[i], a[j], d[j]) for j in sel] for i in sel])
+            meta = ForwardMeta(positions=torch.tensor([a[i] + d[i] for i in sel]),
+                               query_start_loc=torch.tensor([0, len(sel)]), attn_mask=mask)
+            return drafter(torch.tensor(ids), torch.stack(hid), meta)
+
+        def charge(i, normed_row):
+            if valid[a[i] + d[i]]:
+                logq = torch.log_softmax(drafter.compute_logits(normed_row), -1)
+                t = target.compute_logits(hidden[a[i] + d[i] + 1])
+                logp = torch.log_softmax(t, -1)
+                terms.append((d[i], (logp.exp() * (logp - logq)).sum() if kind == "kl" else -logq[t.argmax()]))
+
+        if method == "peagle":
+            ids = [e.input_ids[x + 1] if y == 0 else MASK_ID for x, y in zip(a, d)]
+            normed, _ = run(range(len(a)), ids, [real[x] if y == 0 else drafter.shared_hidden() for x, y in zip(a, d)])
+            for i in range(len(a)):
+                charge(i, normed[i])
+            continue
+        sel = [i for i in range(len(a)) if d[i] == 0]
+        ids, hid = [e.input_ids[a[i] + 1] for i in sel], [real[a[i]] for i in sel]
+        for j in range(max(d) + 1):  # unrolled: forward j recomputes every depth <= j
+            normed, prenorm = run(sel, ids, hid)
+            for k, i in enumerate(sel):
+                if d[i] == j:
+                    charge(i, normed[k])
+            children = [i for i in range(len(a)) if d[i] == j + 1]
+            for i in children:
+                k = next(k for k, q in enumerate(sel) if a[q] == a[i] and d[q] == j)
+                logits = target.compute_logits(hidden[a[i] + j + 1]) if feed == "target" else drafter.compute_logits(normed[k])
+                ids.append(int(logits.argmax()))
+                hid.append(prenorm[k])
+            sel = sel + children
+    loss = sum(t for _, t in terms) / len(terms)
+    loss.backward()
+    return loss.item(), torch.bincount(torch.tensor([dd for dd, _ in terms]), minlength=len(samples[0])).tolist()
+
+
+@pytest.mark.parametrize("method,P,budget,kind,feed", [
+    ("peagle", 1, 1, "kl", "target"), ("peagle", 2, 1, "kl", "target"), ("peagle", 3, 10**6, "ce", "target"),
+    ("peagle", 1, 100, "kl", "target"), ("eagle3", 1, 1, "kl", "target"), ("eagle3", 1, 10**6, "kl", "draft"),
+    ("eagle3", 1, 100, "ce", "target")])
+def test_packed_passes_equal_the_per_sequence_oracle(target, method, P, budget, kind, feed):
+    examples = [Example(random_ids(n, i), [j >= 8 + i for j in range(n)]) for i, n in enumerate([30, 41, 25])]
+    valid = [slot_valid(e.loss_mask) for e in examples]
+    g = torch.Generator().manual_seed(P + budget)
+    K = 4 if method == "peagle" else 3
+    samples = [cod_sample(ok.numel(), K, 0.8, 0.2, g, ok) for ok in valid]
+    base = make_drafter(target, method)
+    drafter = make_drafter(target, method)
+    drafter.load_state_dict(base.state_dict())
+    passes = plan_passes(samples, valid, [0, 30, 71], P, budget)
+    feats = extract_features(target, examples, AUX, "cpu")
+    denom, stats, loss = sum(len(p.charged) for p in passes), DepthStats(K), 0.0
+    for p in passes:
+        part = (peagle_pass_loss(drafter, feats, p, MASK_ID, stats, denom, kind) if method == "peagle"
+                else eagle3_pass_loss(drafter, feats, p, stats, denom, kind, feed))
+        part.backward()
+        loss += part.item()
+    oracle = make_drafter(target, method)
+    oracle.load_state_dict(base.state_dict())
+    ref_loss, ref_counts = oracle_loss(target, oracle, examples, samples, method, kind, feed)
+    assert stats.summary()[1] == ref_counts and sum(ref_counts) == denom
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for (k, got), want in zip(drafter.named_parameters(), oracle.parameters()):
+        if want.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6, msg=f"grad {k}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,11 +338,12 @@ def causal_run(drafter, ids, hidden):
 
 def test_peagle_elements_equal_one_engine_style_parallel_pass(target):
     n, K = 20, 4
-    feats = extract_features(target, [Example(random_ids(n, 3), [True] * n)], AUX, "cpu")[0]
+    feats, valid = single(target, n, 3)
     drafter = make_drafter(target)
-    anchor, depth = cod_sample(n - 1, K, 1.0, 1.0, torch.Generator())  # the full grid
+    (p,) = plan_passes([cod_sample(n - 1, K, 1.0, 1.0, torch.Generator())], [valid], [0])  # the full grid
+    anchor, depth = p.key, p.depth
     with torch.no_grad():
-        logits = drafter.compute_logits(peagle_forward(drafter, feats, anchor, depth, PeagleMask(32), MASK_ID))
+        logits = drafter.compute_logits(peagle_forward(drafter, feats, p, MASK_ID))
         real = drafter.combine(feats.aux)
         for a in (0, 5, 14):
             # context slots 0..a-1, the bonus slot a, then K-1 MASK slots with the shared hidden state
@@ -248,11 +359,12 @@ def test_peagle_elements_equal_one_engine_style_parallel_pass(target):
 @pytest.mark.parametrize("feed", ["target", "draft"])
 def test_eagle3_unroll_equals_sequential_drafting(target, feed):
     n, K = 18, 3
-    feats = extract_features(target, [Example(random_ids(n, 4), [True] * n)], AUX, "cpu")[0]
+    feats, valid = single(target, n, 4)
     drafter = make_drafter(target, "eagle3", layers=2)
-    anchor, depth = cod_sample(n - 1, K, 1.0, 1.0, torch.Generator())
+    (p,) = plan_passes([cod_sample(n - 1, K, 1.0, 1.0, torch.Generator())], [valid], [0])
+    anchor = p.key
     with torch.no_grad():
-        steps = {j: (new, lg) for j, new, lg in eagle3_unroll(drafter, feats, anchor, depth, PeagleMask(32), feed)}
+        steps = {j: (new, drafter.compute_logits(normed)) for j, new, normed in eagle3_unroll(drafter, feats, p, feed)}
         real = drafter.combine(feats.aux)
         for a in (0, 6, 13):
             ids = feats.input_ids[1:a + 2].tolist()
@@ -271,12 +383,13 @@ def test_eagle3_unroll_equals_sequential_drafting(target, feed):
 
 def test_element_loss_kinds():
     t = torch.tensor([[2.0, 0.0, -1.0]])
-    assert element_loss(t, t, "kl").abs().item() < 1e-6
+    logp, top = torch.log_softmax(t, -1), t.argmax(-1)
+    assert element_loss(t, logp, top, "kl").abs().item() < 1e-6
     d = torch.tensor([[0.0, 1.0, 0.0]])
-    ce = element_loss(d, t, "ce").item()
+    ce = element_loss(d, logp, top, "ce").item()
     assert abs(ce - (-torch.log_softmax(d, -1)[0, 0].item())) < 1e-6
     with pytest.raises(ValueError, match="unknown loss"):
-        element_loss(d, t, "mse")
+        element_loss(d, logp, top, "mse")
 
 
 # --------------------------------------------------------------------------------------------

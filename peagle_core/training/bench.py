@@ -11,6 +11,7 @@ is reported too, since that is what partitioning shrinks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import subprocess
@@ -26,7 +27,8 @@ from peagle_core.models.gpt_oss import GptOss
 from peagle_core.testing import tiny_target_config
 from peagle_core.training.data import Example
 from peagle_core.training.features import extract_features
-from peagle_core.training.peagle import PeagleMask, cod_sample, peagle_sequence_backward, supervised_count
+from peagle_core.training.losses import DepthStats
+from peagle_core.training.peagle import cod_sample, peagle_pass_loss, plan_passes
 from peagle_core.training.trainer import DTYPES, init_drafter
 
 
@@ -60,15 +62,16 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
                         device=dev)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, tcfg.vocab_size - 3, (n,), generator=g).tolist()
-    feats = extract_features(target, [Example(ids, [True] * n)], [1, 2, 3], dev)[0]
-    anchor, depth = cod_sample(n - 1, num_depths, ratio, ratio_min, g)
-    denom = supervised_count(feats, anchor, depth)
-    masks = PeagleMask(n, dev)
+    feats = extract_features(target, [Example(ids, [True] * n)], [1, 2, 3], dev)
+    sample = cod_sample(n - 1, num_depths, ratio, ratio_min, g)
+    valid = torch.ones(n - 1, dtype=torch.bool)
     autocast = torch.autocast(dev.type, dtype=DTYPES[dtype]) if dtype != "float32" else None
     rows = []
     for P in partitions:
         drafter = copy.deepcopy(base)
-        times, cpu, loss, stats = [], [], 0.0, None
+        times, cpu, loss = [], [], 0.0
+        passes = [p.to(dev) for p in plan_passes([sample], [valid], [0], P)]
+        denom = sum(len(p.charged) for p in passes)
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -78,13 +81,12 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
             start_mem = _status_kb("VmRSS") * 1024
         for _ in range(steps + 1):
             t0, c0 = time.perf_counter(), time.process_time()
-            if autocast:
-                with autocast:
-                    loss, stats = peagle_sequence_backward(drafter, feats, anchor, depth, masks,
-                                                           drafter.config.mask_token_id, num_depths, denom, P)
-            else:
-                loss, stats = peagle_sequence_backward(drafter, feats, anchor, depth, masks,
-                                                       drafter.config.mask_token_id, num_depths, denom, P)
+            stats, loss = DepthStats(num_depths, dev), 0.0
+            with autocast or contextlib.nullcontext():
+                for p in passes:
+                    part = peagle_pass_loss(drafter, feats, p, drafter.config.mask_token_id, stats, denom)
+                    part.backward()
+                    loss += part.item()
             drafter.zero_grad(set_to_none=False)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -96,7 +98,7 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
             peak = (_status_kb("VmHWM") if exact else _status_kb("VmPeak")) * 1024 - start_mem
         T = stats.max_attn_tokens
         h = drafter.config.num_attention_heads
-        rows.append({"P": P, "len": n, "elements": len(anchor), "largest_pass_tokens": T,
+        rows.append({"P": P, "len": n, "elements": len(sample[0]), "largest_pass_tokens": T,
                      "attn_scores_mb": h * T * T * 4 / 2**20, "peak_mem_mb": peak / 2**20,
                      "time_per_step_s": sum(times[1:]) / max(1, len(times) - 1),
                      "cpu_time_per_step_s": sum(cpu[1:]) / max(1, len(cpu) - 1), "loss": loss,

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cod-ratio", type=float, help="COD keep ratio r per depth (default 0.8 peagle, 1.0 eagle3)")
     m.add_argument("--cod-ratio-min", type=float, default=0.2, help="COD floor r_min")
     m.add_argument("--sequence-partitions", type=int, default=1, help="P-EAGLE: passes per sequence (memory / P^2)")
+    m.add_argument("--pass-elements", type=int,
+                   help="elements per drafter pass: shorter sequences are packed together up to it "
+                        "(default: 4096 on cuda; 1 on cpu, i.e. one sequence per pass)")
     m.add_argument("--loss", choices=["kl", "ce"], default="kl", help="KL(target||draft) or CE vs target argmax")
     m.add_argument("--share-target-embeddings", action="store_true",
                    help="keep the embedding and LM head frozen at the target's and leave them out of the "
@@ -152,10 +155,11 @@ def train_from_args(args: argparse.Namespace) -> dict:
                       steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
                       cod_ratio=args.cod_ratio, cod_ratio_min=args.cod_ratio_min,
-                      sequence_partitions=args.sequence_partitions, loss=args.loss, feed=args.eagle3_feed,
+                      sequence_partitions=args.sequence_partitions, pass_elements=args.pass_elements,
+                      loss=args.loss, feed=args.eagle3_feed,
                       seed=args.seed, dtype=dtype, share_target_embeddings=args.share_target_embeddings,
                       time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None)
-    trainer = Trainer(target, drafter, examples, cfg, max_len=args.max_len)
+    trainer = Trainer(target, drafter, examples, cfg)
     records = trainer.train(args.log_jsonl, progress=not args.no_progress, out=args.out, save_every=args.save_every)
     last = records[-1]
     return {"out": str(args.out), "method": cfg.method, "steps": last["step"], "loss": last["loss"],

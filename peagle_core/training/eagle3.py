@@ -4,7 +4,7 @@ At inference EAGLE-3 drafts step by step: step 0 is the real slot (embed(token[a
 position a; step j >= 1 sits at position a + j with embed(previous draft) and the drafter's own
 PRE-NORM output of step j - 1 as its hidden state, attending to the depth-0 context up to a and to
 its earlier steps. That is exactly the (anchor, depth) element grid and mask of P-EAGLE, with the
-MASK inputs replaced by fed-back ones; so the same COD sampler and `PeagleMask` serve both heads.
+MASK inputs replaced by fed-back ones; so the same COD sampler, passes and mask serve both heads.
 
 Training unrolls the steps: forward j runs over all elements of depth <= j (earlier depths are
 recomputed; their outputs do not depend on deeper elements, so they come out the same), builds
@@ -20,59 +20,55 @@ from typing import Iterator, Literal
 import torch
 
 from peagle_core.models.drafter import Drafter
-from peagle_core.training.features import SequenceFeatures
+from peagle_core.training.features import Features
 from peagle_core.training.losses import DepthStats, LossKind, charge
-from peagle_core.training.peagle import PeagleMask, forward_elements
+from peagle_core.training.peagle import Pass, forward_elements, real_inputs
 
 Feed = Literal["target", "draft"]
 
 
-def eagle3_unroll(drafter: Drafter, feats: SequenceFeatures, anchor: torch.Tensor, depth: torch.Tensor,
-                  masks: PeagleMask, feed: Feed = "target") -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yield (depth j, element slice of depth j, draft logits of depth j's elements) step by step."""
+def eagle3_unroll(drafter: Drafter, feats: Features, p: Pass, feed: Feed = "target",
+                  target_top: torch.Tensor | None = None) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """Yield (depth j, element slice of depth j, normed drafter outputs of depth j's elements) step by step.
+
+    `target_top`: the target's argmax at `p.target_rows` (the fed-back tokens with feed="target").
+    The caller applies the LM head only where it charges a loss (not on unsupervised slots)."""
     if feed not in ("target", "draft"):
         raise ValueError(f"unknown EAGLE-3 feed {feed!r} (expected 'target' or 'draft')")
-    n_depths = int(depth.max()) + 1
-    ends = torch.bincount(depth, minlength=n_depths).cumsum(0).tolist()
-    n0 = ends[0]
-    ids = feats.input_ids[anchor[:n0] + 1]
-    hidden = drafter.combine(feats.aux[anchor[:n0]].to(drafter.fc.weight.dtype))
-    for j in range(n_depths):
+    if feed == "target" and target_top is None:
+        target_top = feats.target_dist(p.target_rows)[1]
+    ends, n0 = p.ends, p.ends[0]
+    ids, hidden = real_inputs(drafter, feats, p)
+    for j in range(len(ends)):
         E, lo = ends[j], (ends[j - 1] if j else 0)
-        a, d = anchor[:E], depth[:E]
-        normed, prenorm = forward_elements(drafter, ids, hidden, a + d, masks(a, d))
+        normed, prenorm = forward_elements(drafter, ids, hidden, p)
         new = slice(lo, E)
-        draft_logits = drafter.compute_logits(normed[new])
-        yield j, new, draft_logits
-        if j + 1 == n_depths:
+        yield j, new, normed[new]
+        if j + 1 == len(ends):
             break
-        # inputs of depth j+1: element (a, j+1) continues (a, j), found by anchor in depth j's sorted block
-        nxt = slice(E, ends[j + 1])
-        parent = lo + torch.searchsorted(anchor[new], anchor[nxt])
+        # inputs of depth j+1: element (a, j+1) continues its parent (a, j), which depth j just computed
+        nxt = slice(E - n0, ends[j + 1] - n0)  # depth j+1 among the elements past depth 0
+        parent = p.parent[nxt]
         if feed == "target":
-            tok = feats.target_logits(anchor[nxt] + j + 1).argmax(-1)  # the token (a, j) should have drafted
+            tok = target_top[p.feed_target[nxt]]  # the token (a, j) should have drafted
         else:
-            tok = draft_logits.argmax(-1)[parent - lo]
+            with torch.no_grad():
+                tok = drafter.compute_logits(normed[parent]).argmax(-1)
         ids = torch.cat([ids, tok])
         hidden = torch.cat([hidden, prenorm[parent].to(hidden.dtype)])
 
 
-def eagle3_sequence_backward(drafter: Drafter, feats: SequenceFeatures, anchor: torch.Tensor, depth: torch.Tensor,
-                             masks: PeagleMask, num_depths: int, denom: int, kind: LossKind = "kl",
-                             feed: Feed = "target") -> tuple[float, DepthStats]:
-    """Unrolled forward over the depths of one sequence, one backward; returns (loss share, stats)."""
-    device = feats.input_ids.device
-    anchor, depth = anchor.to(device), depth.to(device)
-    sup = feats.slot_valid()[anchor + depth]
-    stats = DepthStats(num_depths)
-    total: torch.Tensor | float = 0.0
-    for j, new, draft_logits in eagle3_unroll(drafter, feats, anchor, depth, masks, feed):
-        stats.max_attn_tokens = max(stats.max_attn_tokens, new.stop)
-        charged = sup[new]
-        if bool(charged.any()):
-            target_logits = feats.target_logits((anchor + depth)[new][charged] + 1)
-            total = total + charge(stats, depth[new][charged], draft_logits[charged], target_logits, kind, denom)
-    if isinstance(total, torch.Tensor):
-        total.backward()
-        return total.item(), stats
-    return 0.0, stats
+def eagle3_pass_loss(drafter: Drafter, feats: Features, p: Pass, stats: DepthStats, denom: int,
+                     kind: LossKind = "kl", feed: Feed = "target") -> torch.Tensor:
+    """The pass's share of the batch loss (over `denom`, the batch's count of charged elements),
+    summed over its unrolled steps so that one backward covers the whole unroll."""
+    stats.max_attn_tokens = max(stats.max_attn_tokens, len(p))
+    logp, top = feats.target_dist(p.target_rows)
+    total = 0.0
+    for j, new, normed in eagle3_unroll(drafter, feats, p, feed, top):
+        cs = slice(p.charged_ends[j - 1] if j else 0, p.charged_ends[j])  # depth j's charged elements
+        if cs.stop > cs.start:
+            c, t = p.charged[cs], p.charged_target[cs]
+            draft_logits = drafter.compute_logits(normed[c - new.start])
+            total = total + charge(stats, p.depth[c], draft_logits, logp[t], top[t], kind, denom)
+    return total

@@ -1,4 +1,4 @@
-"""P-EAGLE training objective: COD-sampled (anchor, depth) elements, the amortized mask, partitioned passes.
+"""P-EAGLE training objective: COD-sampled (anchor, depth) elements, the mask, partitioned and packed passes.
 
 Slots. A sequence of n tokens has N = n - 1 drafter slots r = 0..N-1. Slot r holds embed(token[r+1])
 and fc(aux[r]) at RoPE position r and learns the target's distribution at position r+1 (the EAGLE
@@ -7,16 +7,20 @@ drafts from anchor a: d = 0 is the real slot a; d >= 1 is the d-th MASK slot aft
 fc(mask_hidden)) at RoPE position a + d, learning the target's distribution at a + d + 1. Its
 "reference slot" is r = a + d, which must be < N.
 
-Elements are ordered depth-major with depth 0 first, so the depth-0 block is always the anchors
-0..n0-1 in order. Every function here relies on that layout.
+A sample is ordered depth-major with depth 0 first (the depth-0 block is the anchors 0..n0-1 in
+order). A drafter forward ("pass") packs several samples, or partitions of one, into one flat batch
+under one mask; the batch runs as few passes as fit a size cap, not one per sequence.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from itertools import accumulate
 
 import torch
 
 from peagle_core.models.drafter import Drafter
 from peagle_core.models.layers import ForwardMeta
-from peagle_core.training.features import SequenceFeatures
+from peagle_core.training.features import Features
 from peagle_core.training.losses import DepthStats, LossKind, charge
 
 
@@ -75,41 +79,15 @@ def allowed(q_anchor: int, q_depth: int, kv_anchor: int, kv_depth: int) -> bool:
     return (kv_depth == 0 and q_anchor >= kv_anchor) or (q_anchor == kv_anchor and q_depth >= kv_depth)
 
 
-class PeagleMask:
-    """The amortized mask: one causal table over slots, built once at the maximum length.
+def peagle_mask(key: torch.Tensor, depth: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """[T, T] bool: `allowed` for every pair of a pass's elements, in any order, in a few broadcast ops.
 
-    The rule splits by the key's depth. Keys at depth 0 are allowed iff q_anchor >= kv_anchor: that
-    is row q_anchor of a causal (lower-triangular) table over slots, whatever the query's depth. Keys
-    at depth >= 1 are allowed only inside the query's own chain (same anchor, smaller or equal depth).
-    So with the depth-major layout (depth-0 slots 0..n0-1 first):
-      [:n0, :n0]  = tri[:n0, :n0]             a top-left view of the precomputed table
-      [n0:, :n0]  = tri[anchor[n0:], :n0]     a row gather of the same table (COD picks the rows)
-      [:n0, n0:]  = False                     depth 0 never sees deeper elements
-      [n0:, n0:]  = chain equality            block-structured, O(E_deep^2) compares
-    Nothing is built per element pair in Python, and nothing bigger than one [L, L] bool table is
-    kept (the full (L*K)^2 grid would be 64x larger at K=8); the per-example cost is the [T, T]
-    copy that dense attention needs anyway. A longer sequence than planned grows the table once.
-    """
-
-    def __init__(self, max_slots: int, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.tri = torch.ones(max_slots, max_slots, dtype=torch.bool, device=self.device).tril_()
-
-    def __call__(self, anchor: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        T = anchor.shape[0]
-        n0 = int((depth == 0).sum())
-        if not (torch.equal(depth[:n0], torch.zeros_like(depth[:n0]))
-                and torch.equal(anchor[:n0], torch.arange(n0, device=anchor.device))):
-            raise ValueError("elements must be depth-major with the depth-0 slots 0..n0-1 first")
-        if n0 > self.tri.shape[0]:
-            self.tri = torch.ones(2 * n0, 2 * n0, dtype=torch.bool, device=self.device).tril_()
-        mask = torch.zeros(T, T, dtype=torch.bool, device=self.device)
-        mask[:n0, :n0] = self.tri[:n0, :n0]
-        if T > n0:
-            qa, qd = anchor[n0:].to(self.device), depth[n0:].to(self.device)
-            mask[n0:, :n0] = self.tri[qa, :n0]
-            mask[n0:, n0:] = (qa[:, None] == qa[None, :]) & (qd[:, None] >= qd[None, :])
-        return mask
+    `key` is the element's anchor plus its unit's offset in the pass and `start` that offset: a
+    depth-0 key is visible from `start` up to the query's own key, so packed units never see each
+    other, and a deeper key only from its own chain (equal key)."""
+    q, k = key[:, None], key[None, :]
+    context = (depth[None, :] == 0) & (k <= q) & (k >= start[:, None])
+    return context | ((k == q) & (depth[None, :] <= depth[:, None]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,68 +121,124 @@ def segment_elements(depth: torch.Tensor, seg: torch.Tensor, s: int) -> tuple[to
 
 
 # --------------------------------------------------------------------------------------------
+# Passes: what one drafter forward holds
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pass:
+    """The elements of one drafter forward: whole units (a sequence, or one of its partitions) back
+    to back, then ordered depth-major across the pass (every depth-0 element first, then depth 1, ...),
+    so the forward over depths <= j is a prefix and a depth's keys come out sorted.
+
+    Planned on the host, where the sampler's tensors are, and moved to the device once: nothing in
+    the pass loop waits for the device.
+    """
+
+    row: torch.Tensor     # [T] feature row of the element's anchor slot (sequence start + anchor)
+    pos: torch.Tensor     # [T] RoPE position, anchor + depth
+    depth: torch.Tensor   # [T]
+    key: torch.Tensor     # [T] unit offset + anchor (unique per unit and anchor), and
+    start: torch.Tensor   # [T] the unit offset: what `peagle_mask` needs
+    parent: torch.Tensor  # [T - n0] element index of (anchor, depth - 1), for the elements past depth 0
+    charged: torch.Tensor  # [C] elements that carry a loss (ascending, so depth-major too)
+    target_rows: torch.Tensor     # [U] distinct feature rows whose target distribution the pass reads
+    charged_target: torch.Tensor  # [C] index into target_rows of each charged element's row + depth + 1
+    feed_target: torch.Tensor     # [T - n0] index into target_rows of row + depth: (anchor, depth - 1)'s target
+    ends: list[int]          # elements up to and including each depth
+    charged_ends: list[int]  # charged elements up to and including each depth
+
+    def __len__(self) -> int:
+        return self.row.shape[0]
+
+    def to(self, device: torch.device | str) -> "Pass":
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Pass(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in moved.items()})
+
+
+def plan_passes(samples: list[tuple[torch.Tensor, torch.Tensor]], valid: list[torch.Tensor], starts: list[int],
+                num_segments: int = 1, max_elements: int = 1) -> list[Pass]:
+    """Split each sequence's sample into its partitions, then pack them into passes of at most
+    `max_elements` elements (a larger unit gets a pass of its own). Units that charge nothing are dropped.
+
+    samples: (anchor, depth) per sequence from `cod_sample`; valid: its `slot_valid`; starts: its first
+    feature row. A pass packs several units because on a GPU one forward over T elements costs about
+    as much as one over T/4; dense attention still grows with T^2, hence the cap.
+    """
+    units = []
+    for (anchor, depth), ok, row0 in zip(samples, valid, starts):
+        sup = ok[anchor + depth]
+        seg = assign_segments(anchor, depth, ok.numel(), num_segments)
+        for s in range(num_segments):
+            idx, owned = segment_elements(depth, seg, s)
+            if (owned & sup[idx]).any():
+                units.append((row0, anchor[idx], depth[idx], owned & sup[idx]))
+    passes, group, size = [], [], 0
+    for unit in units:
+        if group and size + len(unit[1]) > max_elements:
+            passes.append(build_pass(group))
+            group, size = [], 0
+        group.append(unit)
+        size += len(unit[1])
+    return passes + ([build_pass(group)] if group else [])
+
+
+def build_pass(units: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> Pass:
+    """One pass from its units, each (first feature row of its sequence, anchor, depth, charged)."""
+    row0, anchors, depths, charged = zip(*units)
+    spans = [int(a.max()) + 1 for a in anchors]  # each unit's keys get a range of their own
+    offsets = list(accumulate(spans[:-1], initial=0))
+    order = torch.sort(torch.cat(depths), stable=True).indices  # depth-major across the pass
+    anchor, depth = torch.cat(anchors)[order], torch.cat(depths)[order]
+    row = torch.cat([r + a for r, a in zip(row0, anchors)])[order]
+    start = torch.cat([torch.full_like(a, o) for o, a in zip(offsets, anchors)])[order]
+    charged = torch.cat(charged)[order].nonzero().squeeze(-1)
+    key, n0, total = start + anchor, int((depth == 0).sum()), sum(spans)
+    code = depth * total + key  # ascending: depth-major, keys sorted within a depth
+    parent = torch.searchsorted(code, code[n0:] - total)
+    rows, inverse = torch.unique(torch.cat([(row + depth + 1)[charged], (row + depth)[n0:]]), return_inverse=True)
+    n_depths = int(depth.max()) + 1
+    return Pass(row, anchor + depth, depth, key, start, parent, charged, rows, inverse[: len(charged)],
+                inverse[len(charged):], torch.bincount(depth).cumsum(0).tolist(),
+                torch.bincount(depth[charged], minlength=n_depths).cumsum(0).tolist())
+
+
+# --------------------------------------------------------------------------------------------
 # The objective
 # --------------------------------------------------------------------------------------------
 
 
-def peagle_inputs(drafter: Drafter, feats: SequenceFeatures, anchor: torch.Tensor, depth: torch.Tensor,
-                  mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input ids, hidden [T, H], RoPE positions) of depth-major elements, as the engine builds them."""
-    n0 = int((depth == 0).sum())
-    ids = torch.full_like(anchor, mask_token_id)
-    ids[:n0] = feats.input_ids[anchor[:n0] + 1]
-    real = drafter.combine(feats.aux[anchor[:n0]].to(drafter.fc.weight.dtype))
-    shared = drafter.shared_hidden().to(real.dtype).expand(anchor.shape[0] - n0, -1)
-    return ids, torch.cat([real, shared]), anchor + depth
-
-
-def forward_elements(drafter: Drafter, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                     mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    meta = ForwardMeta(positions=positions, query_start_loc=torch.tensor([0, ids.shape[0]], device=ids.device),
-                       attn_mask=mask)
+def forward_elements(drafter: Drafter, ids: torch.Tensor, hidden: torch.Tensor, p: Pass
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter outputs (normed, pre-norm) of the pass's first len(ids) elements (a depth-major prefix)."""
+    E = ids.shape[0]
+    # query_start_loc stays on the host: the masked path never reads it, and a device copy would sync
+    meta = ForwardMeta(positions=p.pos[:E], query_start_loc=torch.tensor([0, E]),
+                       attn_mask=peagle_mask(p.key[:E], p.depth[:E], p.start[:E]))
     return drafter(ids, hidden, meta)
 
 
-def peagle_forward(drafter: Drafter, feats: SequenceFeatures, anchor: torch.Tensor, depth: torch.Tensor,
-                   masks: PeagleMask, mask_token_id: int) -> torch.Tensor:
-    """Normed drafter outputs [T, H] of depth-major elements in one masked pass."""
-    ids, hidden, pos = peagle_inputs(drafter, feats, anchor, depth, mask_token_id)
-    normed, _ = forward_elements(drafter, ids, hidden, pos, masks(anchor, depth))
-    return normed
+def real_inputs(drafter: Drafter, feats: Features, p: Pass) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, hidden) of the depth-0 elements: embed(token at anchor + 1), fc(aux at anchor)."""
+    rows = p.row[: p.ends[0]]
+    return feats.input_ids[rows + 1], drafter.combine(feats.aux[rows].to(drafter.fc.weight.dtype))
 
 
-def peagle_sequence_backward(drafter: Drafter, feats: SequenceFeatures, anchor: torch.Tensor, depth: torch.Tensor,
-                             masks: PeagleMask, mask_token_id: int, num_depths: int, denom: int,
-                             num_segments: int = 1, kind: LossKind = "kl") -> tuple[float, DepthStats]:
-    """Forward + backward of one sequence's elements in `num_segments` dependency-preserving passes.
-
-    Each pass charges only the elements it owns and divides by `denom` (the batch's total count of
-    charged elements), so the pass losses sum to the single-pass loss and the accumulated gradients
-    equal the single-pass gradient. Peak attention memory follows the largest pass.
-    Returns (this sequence's share of the loss, per-depth stats).
-    """
-    device = feats.input_ids.device
-    anchor, depth = anchor.to(device), depth.to(device)
-    n_slots = feats.n - 1
-    sup = feats.slot_valid()[anchor + depth]
-    seg = assign_segments(anchor, depth, n_slots, num_segments)
-    stats, total = DepthStats(num_depths), 0.0
-    for s in range(num_segments):
-        idx, owned = segment_elements(depth, seg, s)
-        charged = owned & sup[idx]
-        if not bool(charged.any()):
-            continue
-        a, d = anchor[idx], depth[idx]
-        normed = peagle_forward(drafter, feats, a, d, masks, mask_token_id)
-        stats.max_attn_tokens = max(stats.max_attn_tokens, idx.numel())
-        draft_logits = drafter.compute_logits(normed[charged])
-        target_logits = feats.target_logits((a + d)[charged] + 1)
-        loss = charge(stats, d[charged], draft_logits, target_logits, kind, denom)
-        loss.backward()
-        total += loss.item()
-    return total, stats
+def peagle_forward(drafter: Drafter, feats: Features, p: Pass, mask_token_id: int) -> torch.Tensor:
+    """Normed drafter outputs [T, H] of the pass in one masked forward, inputs as the engine builds them."""
+    ids, real = real_inputs(drafter, feats, p)
+    n_deep = len(p) - p.ends[0]
+    ids = torch.cat([ids, ids.new_full((n_deep,), mask_token_id)])
+    shared = drafter.shared_hidden().to(real.dtype).expand(n_deep, -1)
+    return forward_elements(drafter, ids, torch.cat([real, shared]), p)[0]
 
 
-def supervised_count(feats: SequenceFeatures, anchor: torch.Tensor, depth: torch.Tensor) -> int:
-    """How many elements of a sample carry a loss (the normaliser's share of this sequence)."""
-    return int(feats.slot_valid()[(anchor + depth).to(feats.input_ids.device)].sum())
+def peagle_pass_loss(drafter: Drafter, feats: Features, p: Pass, mask_token_id: int, stats: DepthStats,
+                     denom: int, kind: LossKind = "kl") -> torch.Tensor:
+    """The pass's share of the batch loss: its charged elements' losses over `denom`, the batch's count
+    of charged elements. Pass losses therefore sum to the batch loss, and so do their gradients."""
+    stats.max_attn_tokens = max(stats.max_attn_tokens, len(p))
+    normed = peagle_forward(drafter, feats, p, mask_token_id)
+    logp, top = feats.target_dist(p.target_rows)
+    c, t = p.charged, p.charged_target
+    return charge(stats, p.depth[c], drafter.compute_logits(normed[c]), logp[t], top[t], kind, denom)

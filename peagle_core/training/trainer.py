@@ -1,8 +1,10 @@
 """The training loop shared by the P-EAGLE and EAGLE-3 heads.
 
-One step: a batch of sequences -> one batched frozen-target forward -> per sequence, COD sampling and
-the method's forward/backward (P-EAGLE: in `sequence_partitions` passes) with every loss divided by the
-batch's total count of charged elements -> gradient clipping -> AdamW -> linear warmup/decay.
+One step: a batch of sequences -> COD sampling per sequence -> the samples (P-EAGLE: split into
+`sequence_partitions` partitions) packed into a few drafter passes -> one batched frozen-target forward
+-> per pass, the method's forward/backward with every loss divided by the batch's total count of
+charged elements -> gradient clipping -> AdamW -> linear warmup/decay. Nothing before the optimizer
+reads a value back from the device, so a GPU never idles waiting for the host.
 The drafter keeps fp32 parameters; with dtype bfloat16 the target runs in bf16 and the drafter's
 forward under autocast (fp32 master weights, bf16 matmuls).
 """
@@ -15,6 +17,7 @@ import math
 import time
 import warnings
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Literal
 
@@ -25,10 +28,10 @@ from peagle_core.loading.checkpoint import init_random_, save_drafter
 from peagle_core.models.drafter import Drafter
 from peagle_core.models.gpt_oss import GptOss
 from peagle_core.training.data import Example, batches
-from peagle_core.training.eagle3 import eagle3_sequence_backward
-from peagle_core.training.features import extract_features
+from peagle_core.training.eagle3 import eagle3_pass_loss
+from peagle_core.training.features import extract_features, slot_valid
 from peagle_core.training.losses import DepthStats
-from peagle_core.training.peagle import PeagleMask, cod_sample, peagle_sequence_backward, supervised_count
+from peagle_core.training.peagle import cod_sample, peagle_pass_loss, plan_passes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -50,6 +53,10 @@ class TrainConfig:
     cod_ratio: float | None = None      # None: 0.8 for P-EAGLE (paper), 1.0 (no dropping) for EAGLE-3
     cod_ratio_min: float = 0.2
     sequence_partitions: int = 1
+    # elements per drafter pass (sequences or partitions are packed up to it). None: 4096 on a GPU, where
+    # a pass is launch-bound and the larger dense attention cheap; 1 (each alone) on a CPU, which pays
+    # for every attention pair it computes
+    pass_elements: int | None = None
     loss: Literal["kl", "ce"] = "kl"
     feed: Literal["target", "draft"] = "target"  # EAGLE-3 fed-back token
     seed: int = 0
@@ -62,6 +69,8 @@ class TrainConfig:
             raise ValueError(f"method must be 'peagle' or 'eagle3', got {self.method!r}")
         if self.num_depths < 1 or self.steps < 1 or self.batch_size < 1:
             raise ValueError("num_depths, steps and batch_size must be at least 1")
+        if self.pass_elements is not None and self.pass_elements < 1:
+            raise ValueError(f"pass elements must be at least 1, got {self.pass_elements}")
         if self.sequence_partitions < 1:
             raise ValueError(f"sequence partitions must be at least 1, got {self.sequence_partitions}")
         if self.method == "eagle3" and self.sequence_partitions != 1:
@@ -165,8 +174,7 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 class Trainer:
-    def __init__(self, target: GptOss, drafter: Drafter, examples: list[Example], cfg: TrainConfig,
-                 max_len: int | None = None):
+    def __init__(self, target: GptOss, drafter: Drafter, examples: list[Example], cfg: TrainConfig):
         check_drafter(drafter, target, cfg.method)
         if not examples:
             raise ValueError("no training sequences")
@@ -189,7 +197,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
         self.generator = torch.Generator().manual_seed(cfg.seed)  # COD draws: same seed, same elements for any P
-        self.masks = PeagleMask(max_len or max(len(e.input_ids) for e in examples), self.device)
+        self.pass_elements = cfg.pass_elements or (4096 if self.device.type == "cuda" else 1)
         self.batches = batches(examples, cfg.batch_size, cfg.seed)
         self.step_num = 0
 
@@ -203,34 +211,36 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         batch = next(self.batches)
+        valid = [slot_valid(e.loss_mask) for e in batch]
+        samples = [cod_sample(ok.numel(), cfg.num_depths, cfg.cod_ratio, cfg.cod_ratio_min, self.generator, ok)
+                   for ok in valid]
+        starts = list(accumulate((len(e.input_ids) for e in batch[:-1]), initial=0))
+        passes = [p.to(self.device) for p in plan_passes(samples, valid, starts, cfg.sequence_partitions,
+                                                         self.pass_elements)]
+        denom = sum(len(p.charged) for p in passes)
         feats = extract_features(self.target, batch, self.aux_layer_ids, self.device)
-        samples = [cod_sample(f.n - 1, cfg.num_depths, cfg.cod_ratio, cfg.cod_ratio_min, self.generator,
-                              f.slot_valid().cpu()) for f in feats]
-        denom = sum(supervised_count(f, a, d) for f, (a, d) in zip(feats, samples))
-        stats, loss = DepthStats(cfg.num_depths), 0.0
-        if denom > 0:
-            with self.autocast():
-                for f, (a, d) in zip(feats, samples):
-                    if cfg.method == "peagle":
-                        part, st = peagle_sequence_backward(
-                            self.drafter, f, a, d, self.masks, self.drafter.config.mask_token_id, cfg.num_depths,
-                            denom, cfg.sequence_partitions, cfg.loss)
-                    else:
-                        part, st = eagle3_sequence_backward(self.drafter, f, a, d, self.masks, cfg.num_depths,
-                                                            denom, cfg.loss, cfg.feed)
-                    loss += part
-                    stats.merge(st)
+        stats, loss = DepthStats(cfg.num_depths, self.device), torch.zeros((), device=self.device)
+        with self.autocast():
+            for p in passes:
+                if cfg.method == "peagle":
+                    part = peagle_pass_loss(self.drafter, feats, p, self.drafter.config.mask_token_id, stats,
+                                            denom, cfg.loss)
+                else:
+                    part = eagle3_pass_loss(self.drafter, feats, p, stats, denom, cfg.loss, cfg.feed)
+                part.backward()
+                loss += part.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step_num += 1
-        dt = time.perf_counter() - t0
+        _, count, acc = stats.summary()
+        rec = {"step": self.step_num, "loss": loss.item(), "acc": acc, "lr": lr, "grad_norm": float(grad_norm)}
+        dt = time.perf_counter() - t0  # after the reads above, which wait for the device
         tokens = sum(len(e.input_ids) for e in batch)
-        return {"step": self.step_num, "loss": loss, "acc": stats.accuracy(), "lr": lr,
-                "grad_norm": float(grad_norm), "tokens": tokens, "elements": sum(stats.count),
-                "max_attn_tokens": stats.max_attn_tokens, "tokens_per_s": tokens / dt, "step_time_s": dt}
+        return rec | {"tokens": tokens, "elements": sum(count), "max_attn_tokens": stats.max_attn_tokens,
+                      "passes": len(passes), "tokens_per_s": tokens / dt, "step_time_s": dt}
 
     def fit_steps_to_budget(self, elapsed: float, records: list[dict]) -> None:
         """Shrink `steps` so the run ends inside the time budget. The learning-rate schedule reads
