@@ -596,6 +596,23 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     prompts = None
     order = [p for p in a.policies if p != "batch_table"] + [p for p in a.policies if p == "batch_table"]
     batch_table = json.loads(a.batch_table) if a.batch_table else None
+    if a.prewarm_policy:
+        # One throwaway pass over every level first: the first engine in a process otherwise pays for
+        # compiling every Triton kernel shape it meets (in-process caches serve later engines), which
+        # biases the cells against whichever policy runs first.
+        t0 = time.perf_counter()
+        engine = build_engine(models, policy_spec(a.prewarm_policy, models, max_k, batch_table), max(a.concurrency),
+                              str(device), dtype_name, max_len, a.kv_cache_gb, a.enforce_eager)
+        prompts = make_prompts(a.shape, a.prompts, engine.tokenizer, a.num_prompts, a.prompt_len,
+                               engine.target.config.vocab_size, a.seed)
+        replay = AcceptanceReplay(trace, engine.K).install(engine.runner) if trace and engine.K else None
+        for C in a.concurrency:
+            run_level(engine, prompts, C, 1, max(8, a.max_tokens // 2), a.seed + 2, tag="prewarm")
+        del engine, replay
+        models.release()
+        gc.collect()
+        log(f"[sweep] prewarm ({a.prewarm_policy}) done in {time.perf_counter() - t0:.1f}s (not measured)")
+        started = time.perf_counter()
     for policy in order:
         todo = [C for C in a.concurrency if (policy, C) not in done]
         if not todo:
@@ -878,6 +895,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-gb", type=float, default=None)
     s.add_argument("--enforce-eager", action="store_true")
     s.add_argument("--time-budget-s", type=float, default=float("inf"), help="start no new policy after this")
+    s.add_argument("--prewarm-policy", help="run this policy over every level once, unmeasured, before the sweep "
+                   "(compiles the kernels' shapes so the first measured policy is not penalised)")
     s.add_argument("--resume", action="store_true", help="keep cells already in --out/cells")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", required=True)

@@ -128,14 +128,15 @@ def test_step_grid_interpolates_in_batch_and_never_makes_deeper_cheaper():
     assert g.step(2, 0) == pytest.approx(10.0 + (16.0 - 10.0) / 3)   # linear in B between buckets
     assert g.step(4, 2) == 20.0                                       # running max over k
     assert g.step(7, 0) == pytest.approx(16.0 + 2.0 * 3)              # past the last bucket: its slope
-    g.observe(num_tokens=8, k=1, seconds=30.0, batch=4)               # a decode step at B = 4, k = 1
-    assert g.rows[1][1] == pytest.approx(20.0 + 0.2 * 10.0)
+    g.observe(num_tokens=8, k=1, seconds=30.0, batch=4)               # a decode step at B = 4, k = 1: 1.5x the
+    assert g.rows[1] == pytest.approx([17.6, 22.0, 20.9])             # prediction scales the whole row by 1.1
+    assert g.rows[0] == [10.0, 11.0, 13.0]
     g.observe(num_tokens=12, k=1, seconds=99.0, batch=4)              # prompt tokens in it: not T(4, 1)
-    assert g.rows[1][1] == pytest.approx(22.0)
-    g.observe(num_tokens=4, k=1, seconds=12.0, batch=2)               # between buckets: error split 2/3, 1/3
-    pred = 11.0 + (22.0 - 11.0) / 3
-    assert g.rows[0][1] == pytest.approx(11.0 + 0.2 * (2 / 3) * (12.0 - pred))
-    assert g.rows[1][1] == pytest.approx(22.0 + 0.2 * (1 / 3) * (12.0 - pred))
+    assert g.rows[1] == pytest.approx([17.6, 22.0, 20.9])
+    g.observe(num_tokens=4, k=1, seconds=12.0, batch=2)               # between buckets: weights 2/3 and 1/3
+    ratio = 12.0 / (11.0 * 2 / 3 + 22.0 / 3)
+    assert g.rows[0] == pytest.approx([t * (1 + 0.2 * (2 / 3) * (ratio - 1)) for t in (10.0, 11.0, 13.0)])
+    assert g.rows[1] == pytest.approx([t * (1 + 0.2 * (1 / 3) * (ratio - 1)) for t in (17.6, 22.0, 20.9)])
 
 
 def test_adaptive_on_a_step_grid_picks_zero_k_and_full_depth_at_the_extremes():
@@ -175,3 +176,31 @@ def test_engine_profiles_whole_steps_for_the_adaptive_policy(tiny_pair):
     assert isinstance(g, StepGrid) and g.sizes == [1, 2, 4] and g.K == 3
     assert all(t > 0 for row in g.rows for t in row)
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # the profile took no blocks
+
+
+def test_live_steps_rescale_the_whole_row_so_a_slow_profile_cannot_lock_in_the_first_k():
+    """A start-up profile 30% slow everywhere (jitter, clocks: seen on the H200) and an acceptance prior below
+    the real 0.75: the first choice is k = 4. Live steps must correct the level of every k, not only of the k
+    the policy happens to run, or k = 4 keeps looking 30% cheaper than k = 7 (the real optimum) forever
+    (the per-cell correction this replaced stayed at k = 4 for all 300 steps)."""
+    import random
+
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+
+    true_ms = {1: [5.0 + 0.1 * k for k in range(8)], 16: [10.0 + 0.4 * k for k in range(8)]}
+    p = AdaptiveDepth(7, StepGrid({b: [1.3 * t for t in row] for b, row in true_ms.items()}))
+    rng, info, ks = random.Random(0), StepInfo(16, 0, 7), []
+    for _ in range(300):
+        k = p.choose(info)
+        ks.append(k)
+        accepted = []
+        for _ in range(16):  # each draft accepted with probability 0.75, up to the first rejection
+            a = 0
+            while a < k and rng.random() < 0.75:
+                a += 1
+            accepted.append((k, a))
+        p.observe(info, StepOutcome(k, accepted, true_ms[16][k], 16 * (1 + k)))
+    rates_best = max(range(8), key=lambda k: sum(0.75 ** i for i in range(k + 1)) / true_ms[16][k])
+    assert ks[0] == 4 and rates_best == 7
+    assert sum(ks[-100:]) / 100 > 6.5
+    assert p.times.step(16, 7) == pytest.approx(true_ms[16][7], rel=0.05)  # the unvisited cells learned too

@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--regen-tokens", type=int, default=160)
     ap.add_argument("--head-steps", type=int, default=600)
     ap.add_argument("--head-minutes", type=float, help="fit the head steps to this wall time")
+    ap.add_argument("--head-batch-size", type=int, default=16, help="sequences per head optimizer step")
+    ap.add_argument("--aux-layers", default="1,3,5", help="target layer ids whose input residuals feed the heads "
+                    "(6 = the target's last residual)")
     ap.add_argument("--eval-tokens", type=int, default=128)
     args = ap.parse_args()
     data, out = Path(args.data), Path(args.out)
@@ -88,8 +91,8 @@ def main() -> None:
         return finish(out, report)
     heads = {"peagle": out / "peagle", "eagle3": out / "eagle3"}
     common = ["--target", str(target), "--data", str(regen), "--steps", str(args.head_steps),
-              "--batch-size", "16", "--max-len", "896", "--lr", "1e-3", "--warmup-ratio", "0.05",
-              "--aux-layers", "1,3,5", "--intermediate-size", "768", "--share-target-embeddings", "--no-progress"]
+              "--batch-size", str(args.head_batch_size), "--max-len", "896", "--lr", "1e-3", "--warmup-ratio", "0.05",
+              "--aux-layers", args.aux_layers, "--intermediate-size", "768", "--share-target-embeddings", "--no-progress"]
     if args.head_minutes:
         common += ["--time-budget-minutes", str(args.head_minutes)]
     report["heads_train_s"] = run(
