@@ -7,7 +7,9 @@
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then the sweep
 #   bash benchmarks/gpu_run.sh heads     # two H200s: four tiny heads side by side (aux ids 1,3,5 and 1,3,6)
 #   bash benchmarks/gpu_run.sh speed     # one H200: tiny heads next to the GPU tests, then profile + `peagle bench`
-#   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweeps, 20B shape (replayed) and tiny pair (real)
+#   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
+#   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
+#   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
 # The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp also
 # needs data/regen.jsonl (scripts/tiny/train_pair.py --stop-after regen, on any machine; carry it too).
 set -uo pipefail
@@ -81,10 +83,26 @@ case "${1:-}" in
     ;;
   adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape
     timeout 370 python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
-      --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves 2 --max-tokens 96 \
-      --policies K1,K3,K5,K7,adaptive,ema_tiers,batch_table,none --prewarm-policy adaptive --time-budget-s 225 \
+      --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" \
+      --max-tokens 96 --policies K1,K3,K5,K7,adaptive,ema_tiers,batch_table,none --prewarm-policy adaptive \
+      --time-budget-s "${SWEEP_BUDGET:-225}" \
       --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
     ;;
-  *) echo "usage: $0 bench|pair-tp|sweep|tp-sweep|heads|speed|adaptive" >&2; exit 2 ;;
+  adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance)
+    timeout 560 python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda --prompts heldout \
+      --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" --max-tokens 96 --prewarm-policy adaptive \
+      --policies K1,K3,K5,K7,adaptive,ema_tiers,batch_table,none --time-budget-s 420 --out /tmp/sweep_tiny 2>&1 \
+      | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
+    tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
+    ;;
+  train-profile)  # one H200: torch.profiler over head-training steps (P-EAGLE, then EAGLE-3)
+    for m in "peagle --num-depths 8 --layers 2 --mask-token-id 9" "eagle3 --num-depths 5 --layers 1"; do
+      set -- $m
+      PEAGLE_TRITON=0 timeout 240 python3 benchmarks/profile_training.py --out "$OUT/$1" -- \
+        --target peagle_core/assets/tiny/target --data data/regen.jsonl --method $m --batch-size 32 \
+        --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
+    done
+    ;;
+  *) echo "usage: $0 bench|pair-tp|sweep|tp-sweep|heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
 esac

@@ -101,3 +101,24 @@ def test_engine_with_trained_head_accepts_many_and_stays_greedy(setup, head, par
     accepted = sum(o.spec_decode_stats.num_accepted_tokens for o in spec)
     acceptance_length = 1 + accepted / drafts
     assert acceptance_length > 2.0, acceptance_length
+
+
+def test_training_profile_script_smoke_run_on_cpu(setup, tmp_path):
+    """benchmarks/profile_training.py records the steps after the skipped ones of a real `peagle train` run."""
+    import importlib.util
+    import json
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": e.input_ids}) for e in setup["examples"][:8]))
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_training.py"
+    spec = importlib.util.spec_from_file_location("profile_training", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--skip", "1", "--record", "2", "--out", str(tmp_path / "prof"), "--", "--target", str(setup["dir"] / "target"),
+              "--data", str(data), "--method", "peagle", "--num-depths", "3", "--layers", "1",
+              "--mask-token-id", str(setup["mask_id"]), "--batch-size", "2", "--device", "cpu", "--out",
+              str(tmp_path / "head")])
+    res = json.loads((tmp_path / "prof" / "profile_training.json").read_text())
+    assert len(res["step_s"]) == 2 and all(s > 0 for s in res["step_s"])
+    assert res["host_ops"] and res["op_calls_per_step"] > 0
+    assert "## Host operators" in (tmp_path / "prof" / "profile_training.md").read_text()

@@ -1,0 +1,92 @@
+"""Where a drafter-training step's time goes: torch.profiler over a few steps of `peagle train`.
+
+    python benchmarks/profile_training.py --out "$OUT" -- --target peagle_core/assets/tiny/target \
+        --data data/regen.jsonl --method peagle --num-depths 8 --layers 2 --mask-token-id 9 \
+        --batch-size 32 --max-len 896 --share-target-embeddings --intermediate-size 768 --out /tmp/head
+
+Everything after `--` is `peagle train`'s own arguments (`--steps` is set here). The first `--skip` steps
+(compilation, allocator warm-up) are not recorded; the next `--record` are. Writes profile_training.json and
+profile_training.md: step wall time, host-side operators by self CPU time, device kernels by time, and the
+number of operator events a step; a step whose wall time is far above its kernel time is host-bound.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peagle_core.training import cli  # noqa: E402
+from peagle_core.training.trainer import Trainer  # noqa: E402
+
+
+def table(prof, steps: int, device: bool, top: int = 20) -> list[dict]:
+    rows = []
+    for e in prof.key_averages():
+        is_device = e.device_type == torch.autograd.DeviceType.CUDA
+        if is_device != device:
+            continue
+        us = getattr(e, "self_device_time_total", 0.0) if device else e.self_cpu_time_total
+        rows.append({"name": e.key[:100], "calls_per_step": e.count / steps, "us_per_step": us / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--record", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(own)
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(train_args + ["--steps", str(a.skip + a.record), "--no-progress"])
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    walls: list[float] = []
+    step = Trainer.step
+    with profile(activities=activities, schedule=schedule(wait=a.skip, warmup=0, active=a.record)) as prof:
+        def timed_step(self):
+            t0 = time.perf_counter()
+            out = step(self)
+            if cuda:
+                torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+            prof.step()
+            return out
+        Trainer.step = timed_step  # benchmark only: time and record each step of the real training loop
+        try:
+            cli.train_from_args(args)
+        finally:
+            Trainer.step = step
+    recorded = walls[a.skip:]
+    events = prof.key_averages()
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           "command": "python benchmarks/profile_training.py " + " ".join(argv), "method": args.method, "batch_size": args.batch_size,
+           "step_s": recorded, "op_calls_per_step": sum(e.count for e in events
+                                                        if e.device_type == torch.autograd.DeviceType.CPU) / a.record,
+           "kernel_ms_per_step": sum(getattr(e, "self_device_time_total", 0.0) for e in events
+                                     if e.device_type == torch.autograd.DeviceType.CUDA) / a.record / 1e3,
+           "host_ops": table(prof, a.record, device=False), "kernels": table(prof, a.record, device=True)}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile_training.json").write_text(json.dumps(res, indent=1))
+    md = [f"# Drafter training step profile ({res['method']}, batch {res['batch_size']}, {res['device']})", "",
+          f"Command: `{res['command']}`; torch {res['torch']}.", "",
+          f"Step wall time (s): {', '.join(f'{s:.3f}' for s in recorded)}; kernels {res['kernel_ms_per_step']:.1f} "
+          f"ms a step; {res['op_calls_per_step']:.0f} host operator events a step (nested calls included).", ""]
+    for name, key in (("Host operators (self CPU time)", "host_ops"), ("Device kernels", "kernels")):
+        md += [f"## {name}", "", "| name | calls / step | us / step |", "| --- | --- | --- |"]
+        md += [f"| `{r['name'][:80]}` | {r['calls_per_step']:.0f} | {r['us_per_step']:.0f} |" for r in res[key]] + [""]
+    (out / "profile_training.md").write_text("\n".join(md))
+    print("\n".join(md[:5]))
+
+
+if __name__ == "__main__":
+    main()
