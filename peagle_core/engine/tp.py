@@ -18,7 +18,8 @@ The drafter is small: rank 0 holds a full copy with its KV cache and is the only
 
 Each instance has its own TCPStore on a free port and its own process groups, built directly (never
 torch.distributed's process-global default group), so several engines can live in one process.
-`PEAGLE_TP_TIMEOUT_S` (default 300) bounds worker start-up and each compute collective.
+`PEAGLE_TP_TIMEOUT_S` (default 300) bounds each compute collective, and worker start-up (never below 60 s:
+spawning a process and importing torch on a loaded machine takes seconds, whatever the collective bound).
 """
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ IDLE = dt.timedelta(days=3650)   # workers wait for rank 0 on the control group 
 
 class TPError(RuntimeError):
     """A tensor-parallel worker died or a collective failed: this engine cannot continue."""
+
+
+START_TIMEOUT_FLOOR_S = 60.0  # workers get at least this long to start, however short the collective bound
 
 
 def tp_timeout_s() -> float:
@@ -472,7 +476,7 @@ class TPWorkerGroup:
         self._finalizer = weakref.finalize(self, self.workers.kill)  # never leave workers behind
         try:
             hello = [f"hello/{r}" for r in range(1, n)]
-            self._wait(lambda: self.store.check(hello), "start", self.timeout_s)
+            self._wait(lambda: self.store.check(hello), "start", max(self.timeout_s, START_TIMEOUT_FLOOR_S))
             self.worker_pids = [int(self.store.get(k)) for k in hello]  # for operators (and tests) on one node
             self.comm = Communicator(self.store, 0, n, torch.device(devices[0]), host, self.timeout_s)
         except BaseException:
