@@ -596,21 +596,33 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     prompts = None
     order = [p for p in a.policies if p != "batch_table"] + [p for p in a.policies if p == "batch_table"]
     batch_table = json.loads(a.batch_table) if a.batch_table else None
+
+    def open_engine(spec: dict | None):
+        """An engine for `spec` (the sweep's prompts made with the first one) and its acceptance replay."""
+        nonlocal prompts
+        engine = build_engine(models, spec, max(a.concurrency), str(device), dtype_name, max_len, a.kv_cache_gb,
+                              a.enforce_eager)
+        if prompts is None:
+            prompts = make_prompts(a.shape, a.prompts, engine.tokenizer, a.num_prompts, a.prompt_len,
+                                   engine.target.config.vocab_size, a.seed)
+        return engine, AcceptanceReplay(trace, engine.K).install(engine.runner) if trace and engine.K else None
+
+    def release() -> None:
+        models.release()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     if a.prewarm_policy:
         # One throwaway pass over every level first: the first engine in a process otherwise pays for
         # compiling every Triton kernel shape it meets (in-process caches serve later engines), which
         # biases the cells against whichever policy runs first.
         t0 = time.perf_counter()
-        engine = build_engine(models, policy_spec(a.prewarm_policy, models, max_k, batch_table), max(a.concurrency),
-                              str(device), dtype_name, max_len, a.kv_cache_gb, a.enforce_eager)
-        prompts = make_prompts(a.shape, a.prompts, engine.tokenizer, a.num_prompts, a.prompt_len,
-                               engine.target.config.vocab_size, a.seed)
-        replay = AcceptanceReplay(trace, engine.K).install(engine.runner) if trace and engine.K else None
+        engine, _ = open_engine(policy_spec(a.prewarm_policy, models, max_k, batch_table))
         for C in a.concurrency:
             run_level(engine, prompts, C, 1, max(8, a.max_tokens // 2), a.seed + 2, tag="prewarm")
-        del engine, replay
-        models.release()
-        gc.collect()
+        del engine
+        release()
         log(f"[sweep] prewarm ({a.prewarm_policy}) done in {time.perf_counter() - t0:.1f}s (not measured)")
         started = time.perf_counter()
     for policy in order:
@@ -627,18 +639,13 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
             log(f"[sweep] {policy}: {e}")
             continue
         t_build = time.perf_counter()
-        engine = build_engine(models, spec, max(a.concurrency), str(device), dtype_name, max_len, a.kv_cache_gb,
-                              a.enforce_eager)
+        engine, replay = open_engine(spec)
         if (f := fixed_policy(policy)) is not None and f[1] is not None:
             from peagle_core.spec.depth import FixedDepth
 
             engine.policy = FixedDepth(f[0])  # benchmark only: k < K on a depth-K engine
         log(f"[sweep] {policy}: engine built in {time.perf_counter() - t_build:.1f}s "
             f"({type(engine.policy).__name__}, K={engine.K})")
-        if prompts is None:
-            prompts = make_prompts(a.shape, a.prompts, engine.tokenizer, a.num_prompts, a.prompt_len,
-                                   engine.target.config.vocab_size, a.seed)
-        replay = AcceptanceReplay(trace, engine.K).install(engine.runner) if trace and engine.K else None
         fresh = copy.deepcopy(engine.policy)
         for C in todo:
             engine.policy = copy.deepcopy(fresh)  # every level starts from the policy's start-up state
@@ -659,10 +666,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
             log(f"[sweep] {policy:>11} C={C:<3} {cell['throughput_tok_s']:9.1f} tok/s  "
                 f"TPOT {cell['tpot_ms_mean']:.2f} ms  mean k {cell['mean_k']:.2f}  AL {cell['acceptance_length']:.2f}")
         del engine, fresh
-        models.release()
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release()
     result = {"kind": "measured", "shape": a.shape, "mode": a.mode, "device": str(device), "dtype": dtype_name,
               "machine": machine(device), "command": command_line(), "date": _dt.date.today().isoformat(),
               "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,

@@ -3,15 +3,15 @@
 # Results land in $OUT (the device tool brings them back); run from the repository root:
 #   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, MoE tiles, `peagle bench`
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
-#   bash benchmarks/gpu_run.sh sweep     # one H200: adaptive depth sweep (20B shape, replayed acceptance)
-#   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then the sweep
+#   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
 #   bash benchmarks/gpu_run.sh heads     # two H200s: four tiny heads side by side (aux ids 1,3,5 and 1,3,6)
 #   bash benchmarks/gpu_run.sh speed     # one H200: tiny heads next to the GPU tests, then profile + `peagle bench`
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
-# The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp also
-# needs data/regen.jsonl (scripts/tiny/train_pair.py --stop-after regen, on any machine; carry it too).
+# The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp, heads,
+# speed and train-profile also need data/regen.jsonl (scripts/tiny/train_pair.py --stop-after regen, on any
+# machine; carry it too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
@@ -24,6 +24,15 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
            tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py"
 
+train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; its log and a tarball into $OUT
+  local dir=$1 name; name=$(basename "$1"); shift
+  PEAGLE_TRITON=0 timeout "${HEADS_TIMEOUT:-330}" python3 scripts/tiny/train_pair.py \
+    --target peagle_core/assets/tiny/target --regen-data data/regen.jsonl --stop-after heads --out "$dir" "$@" \
+    > "$OUT/$name.log" 2>&1
+  tail -n 3 "$OUT/$name.log"
+  tar czf "$OUT/$name.tgz" -C "$dir" peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
+}
+
 case "${1:-}" in
   bench)  # one H200: GPU tests, where a bs-1 step's time goes, MoE decode tiles, then `peagle bench`
     timeout 200 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -n 80 > "$OUT/gpu_tests.log"
@@ -33,56 +42,37 @@ case "${1:-}" in
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
     ;;
   pair-tp)  # two H200s: the tiny pair's heads (one GPU each), then TP=1 vs TP=2 at the 20B shape
-    PEAGLE_TRITON=0 timeout 330 python3 scripts/tiny/train_pair.py --target peagle_core/assets/tiny/target \
-      --regen-data data/regen.jsonl --stop-after heads --head-steps 4000 --head-minutes "${HEAD_MINUTES:-4}" \
-      --out /tmp/pair > "$OUT/pair.log" 2>&1
-    tail -n 5 "$OUT/pair.log"
-    tar czf "$OUT/pair.tgz" -C /tmp/pair peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
+    train_heads /tmp/pair --head-steps 4000 --head-minutes "${HEAD_MINUTES:-4}"
     timeout 250 python3 -m peagle_core.parallel_bench --shape 20b --tp 2 --device cuda --batch-sizes 1,8,32 \
       --context 1024 --out "$OUT" 2>&1 | tail -n 30
     ;;
-  sweep)  # one H200: adaptive depth at the 20B shape, acceptance replayed from the tiny pair's trace
-    timeout "${SWEEP_TIMEOUT:-420}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
-      --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves 2 --max-tokens 96 \
-      --time-budget-s "${SWEEP_BUDGET:-330}" --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | tail -n 40
-    tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
-    ;;
-  tp-sweep)  # two H200s: graph tests, the bf16 TP=1/TP=2 agreement with sharp logits, then the sweep
+  tp-sweep)  # two H200s: graph tests, the bf16 TP=1/TP=2 agreement with sharp logits, then the adaptive sweep
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/test_graphs.py 2>&1 \
       | tail -n 60 > "$OUT/graph_tests.log"
     tail -n 12 "$OUT/graph_tests.log"
     timeout 200 python3 -m peagle_core.parallel_bench --shape 20b --tp 2 --device cuda --batch-sizes 1,8 \
       --context 1024 --scale 30 --out "$OUT/tp" 2>&1 | tail -n 16
-    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-250} SWEEP_BUDGET=${SWEEP_BUDGET:-190} bash "$0" sweep
+    SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-250} SWEEP_BUDGET=${SWEEP_BUDGET:-150} bash "$0" adaptive
     ;;
   heads)  # two H200s: P-EAGLE and EAGLE-3 heads for two aux-layer choices, all four side by side (host-bound
-          # training leaves each GPU mostly idle); the last 256 regenerated records stay out for validation
-    head -n 5888 data/regen.jsonl > /tmp/regen_train.jsonl
+          # training leaves each GPU mostly idle)
     for aux in 1,3,5 1,3,6; do
-      PEAGLE_TRITON=0 timeout 570 python3 scripts/tiny/train_pair.py --target peagle_core/assets/tiny/target \
-        --regen-data /tmp/regen_train.jsonl --stop-after heads --head-steps 20000 --head-batch-size 64 \
-        --head-minutes "${HEAD_MINUTES:-8}" --aux-layers $aux --out /tmp/pair_$aux > "$OUT/heads_${aux//,/}.log" 2>&1 &
+      HEADS_TIMEOUT=570 train_heads "/tmp/heads_${aux//,/}" --head-steps 20000 --head-batch-size 64 \
+        --head-minutes "${HEAD_MINUTES:-8}" --aux-layers $aux &
     done
     wait
-    for aux in 1,3,5 1,3,6; do
-      tail -n 3 "$OUT/heads_${aux//,/}.log"
-      tar czf "$OUT/heads_${aux//,/}.tgz" -C /tmp/pair_$aux peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
-    done
     ;;
   speed)  # one H200: the tiny heads train (host-bound, HEAD_MINUTES) while the GPU tests run; then the timings alone
-    PEAGLE_TRITON=0 timeout 330 python3 scripts/tiny/train_pair.py --target peagle_core/assets/tiny/target \
-      --regen-data data/regen.jsonl --stop-after heads --head-steps 100000 --head-batch-size "${HEAD_BATCH:-32}" \
-      --head-minutes "${HEAD_MINUTES:-4.5}" --out /tmp/pair > "$OUT/pair.log" 2>&1 &
+    train_heads /tmp/pair --head-steps 100000 --head-batch-size "${HEAD_BATCH:-32}" \
+      --head-minutes "${HEAD_MINUTES:-4.5}" &
     timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tail -n 60 > "$OUT/gpu_tests.log"
     tail -n 3 "$OUT/gpu_tests.log"
     wait
-    tail -n 3 "$OUT/pair.log"
-    tar czf "$OUT/pair.tgz" -C /tmp/pair peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
     timeout 75 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
     ;;
   adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape
-    timeout 370 python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
+    timeout "${SWEEP_TIMEOUT:-370}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
       --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" \
       --max-tokens 96 --policies K1,K3,K5,K7,adaptive,ema_tiers,batch_table,none --prewarm-policy adaptive \
       --time-budget-s "${SWEEP_BUDGET:-225}" \
@@ -104,5 +94,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|pair-tp|sweep|tp-sweep|heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|pair-tp|tp-sweep|heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
 esac

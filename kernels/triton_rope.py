@@ -68,8 +68,8 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: 
                          f"k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     if not q.dtype == k.dtype == cos.dtype == sin.dtype:
         raise ValueError(f"q, k, cos and sin must share a dtype, got {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
-    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     if q_out.numel() == 0 and k_out.numel() == 0:
         return q_out, k_out
     _rope_kernel[(T, 2)](q, k, cos, sin, q_out, k_out, Hq, Hkv, half,

@@ -107,10 +107,11 @@ def test_sweep_replays_acceptance_on_random_weights(tmp_path):
     """The 20B code path at the tiny shape: random weights built on the device, acceptance replayed."""
     out = tmp_path / "replay"
     rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
-                 "--max-tokens", "10", "--waves", "2", "--prompt-len", "8", "--policies", "K1,K3", "--out", str(out)])
+                 "--max-tokens", "10", "--waves", "2", "--prompt-len", "8", "--policies", "K1,K3",
+                 "--prewarm-policy", "K3", "--out", str(out)])  # an unmeasured pass first: no cell of its own
     assert rc == 0
     cells = {c["policy"]: c for c in json.loads((out / "sweep.json").read_text())["cells"]}
-    assert all(c["replayed_verify_steps"] > 0 for c in cells.values())
+    assert sorted(cells) == ["K1", "K3"] and all(c["replayed_verify_steps"] > 0 for c in cells.values())
     # random weights accept ~nothing; the replayed a = 0.9 gives 1 + 0.9 (+ 0.81 + 0.73 at K = 3)
     assert cells["K1"]["acceptance_length"] == pytest.approx(1.9, abs=0.2)
     assert cells["K3"]["acceptance_length"] > 2.8

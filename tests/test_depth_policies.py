@@ -178,17 +178,22 @@ def test_engine_profiles_whole_steps_for_the_adaptive_policy(tiny_pair):
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # the profile took no blocks
 
 
-def test_live_steps_rescale_the_whole_row_so_a_slow_profile_cannot_lock_in_the_first_k():
+@pytest.mark.parametrize("model", ["grid", "tokens"])
+def test_live_steps_rescale_the_whole_model_so_a_slow_profile_cannot_lock_in_the_first_k(model):
     """A start-up profile 30% slow everywhere (jitter, clocks: seen on the H200) and an acceptance prior below
     the real 0.75: the first choice is k = 4. Live steps must correct the level of every k, not only of the k
     the policy happens to run, or k = 4 keeps looking 30% cheaper than k = 7 (the real optimum) forever
-    (the per-cell correction this replaced stayed at k = 4 for all 300 steps)."""
+    (the per-cell corrections this replaced, in both step-time models, stayed at k = 4 for all 300 steps)."""
     import random
 
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid, StepTimeModel
 
     true_ms = {1: [5.0 + 0.1 * k for k in range(8)], 16: [10.0 + 0.4 * k for k in range(8)]}
-    p = AdaptiveDepth(7, StepGrid({b: [1.3 * t for t in row] for b, row in true_ms.items()}))
+    if model == "grid":
+        times = StepGrid({b: [1.3 * t for t in row] for b, row in true_ms.items()})
+    else:  # the same 16-request times as a function of target tokens, 16 (1 + k): 9.6 ms + 0.025 ms a token
+        times = StepTimeModel({n: 1.3 * (9.6 + 0.025 * n) for n in (16, 32, 64, 128)})
+    p = AdaptiveDepth(7, times)
     rng, info, ks = random.Random(0), StepInfo(16, 0, 7), []
     for _ in range(300):
         k = p.choose(info)

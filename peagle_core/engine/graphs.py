@@ -153,8 +153,8 @@ class GraphSet:
         self._pad(B, T, num_seqs, num_tokens)
 
     def _pad(self, B: int, T: int, num_seqs: int, num_tokens: int) -> None:
-        """Requests B..num_seqs-1 become dummies sharing tokens T..num_tokens-1 evenly (q each in a decode
-        step): position 0, no K/V write, no keys to read."""
+        """Requests B..num_seqs-1 become dummies sharing tokens T..num_tokens-1, `step` each (q in a decode
+        step; in a mixed step the last ones may get fewer or none): position 0, no K/V write, no keys to read."""
         n = num_seqs - B
         if n == 0:
             return
@@ -162,8 +162,13 @@ class GraphSet:
         self.positions[T:num_tokens].zero_()
         self.slot_mapping[T:num_tokens].fill_(-1)
         qsl = self.query_start_loc[B:num_seqs + 1]
-        torch.arange(n + 1, out=qsl)
-        qsl.mul_(num_tokens - T).floor_divide_(n).add_(T)
+        step = -(-(num_tokens - T) // n)
+        if step == 0:
+            qsl.fill_(T)
+        else:  # one kernel in a decode step (n * step is exactly the padding), a clamp more in a mixed one
+            torch.arange(T, T + step * n + 1, step, out=qsl)
+            if step * n != num_tokens - T:
+                qsl.clamp_(max=num_tokens)
         self.seq_lens[B:num_seqs].zero_()
 
     def _forward(self, num_seqs: int, T: int) -> None:

@@ -93,13 +93,13 @@ class StepTimeModel:
         return self.target(batch * (1 + k) + prefill_tokens) + draft
 
     def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
-        """Refine the nearest profiled size with the target share of a measured step."""
+        """Rescale every profiled size by the measured over predicted target share of a step (the level, not
+        the shape: see `StepGrid`, whose live correction works the same way and for the same reason)."""
+        if num_tokens <= 0:
+            return
         draft = self.draft_pass * (max(k, 1) if self.per_k_draft else 1)
-        i = min(range(len(self.sizes)), key=lambda j: abs(self.sizes[j] - num_tokens))
-        measured = max(seconds - draft, 1e-6) * self.sizes[i] / max(num_tokens, 1) if self.sizes[i] != num_tokens \
-            else max(seconds - draft, 1e-6)
-        if abs(self.sizes[i] - num_tokens) <= 0.25 * self.sizes[i]:
-            self.times[i] += self.smoothing * (measured - self.times[i])
+        ratio = max(seconds - draft, 1e-6) / self.target(num_tokens)
+        self.times = rescaled(self.times, ratio, self.smoothing)
 
 
 class StepGrid:
@@ -153,8 +153,13 @@ class StepGrid:
         ratio = seconds / self.step(batch, k)
         for r, w in self._weights(batch):
             if 0 < w <= 1:
-                scale = max(1.0 + self.smoothing * w * (ratio - 1.0), 1e-3)
-                self.rows[r] = [t * scale for t in self.rows[r]]
+                self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
+
+
+def rescaled(times: list[float], ratio: float, rate: float) -> list[float]:
+    """`times` moved a step `rate` of the way toward `ratio` x themselves (a measured / predicted ratio)."""
+    scale = max(1.0 + rate * (ratio - 1.0), 1e-3)
+    return [t * scale for t in times]
 
 
 def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, reps: int = 2) -> StepGrid:

@@ -74,13 +74,9 @@ def cod_sample(n_valid: int, num_depths: int, ratio: float, ratio_min: float, ge
 # --------------------------------------------------------------------------------------------
 
 
-def allowed(q_anchor: int, q_depth: int, kv_anchor: int, kv_depth: int) -> bool:
-    """The P-EAGLE rule: depth-0 context up to the anchor, plus the element's own chain."""
-    return (kv_depth == 0 and q_anchor >= kv_anchor) or (q_anchor == kv_anchor and q_depth >= kv_depth)
-
-
 def peagle_mask(key: torch.Tensor, depth: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool: `allowed` for every pair of a pass's elements, in any order, in a few broadcast ops.
+    """[T, T] bool, the P-EAGLE rule for every pair of a pass's elements (in any order, a few broadcast ops):
+    element (a, d) sees the depth-0 context up to its anchor a, plus its own chain (a, d' <= d).
 
     `key` is the element's anchor plus its unit's offset in the pass and `start` that offset: a
     depth-0 key is visible from `start` up to the query's own key, so packed units never see each
