@@ -60,22 +60,46 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
+# Score elements one batched `attend` call may hold ([seqs, Hq, L, L] fp32, a few such tensors alive): the
+# padded batch is attended in groups of sequences that fit, so memory stays bounded at any batch size.
+VARLEN_SCORE_ELEMENTS = 1 << 27
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
                      positions: torch.Tensor, sinks: torch.Tensor | None, sliding_window: int | None,
-                     scale: float) -> torch.Tensor:
-    """Cache-free causal attention within each sequence of a flat batch (training, features)."""
-    qsl = query_start_loc.tolist()
-    lengths = {e - s for s, e in zip(qsl[:-1], qsl[1:])}
-    if len(lengths) == 1 and len(qsl) > 2:  # equal lengths (packed training batches): one batched call
-        n = lengths.pop()
-        fold = lambda t: t.unflatten(0, (-1, n))
-        return attend(fold(q), fold(k), fold(v), fold(positions), fold(positions), sinks, sliding_window,
-                      scale).flatten(0, 1)
-    out = torch.zeros_like(q)
-    for s, e in zip(qsl[:-1], qsl[1:]):
-        if e > s:
-            out[s:e] = attend(q[s:e], k[s:e], v[s:e], positions[s:e], positions[s:e], sinks, sliding_window, scale)
-    return out
+                     scale: float, max_seqlen: int | None = None) -> torch.Tensor:
+    """Cache-free causal attention within each sequence of a flat batch (training, features).
+
+    Every token must belong to a sequence (query_start_loc[-1] == T). The sequences are padded to
+    [num_seqs, max_seqlen] with index tensors built on the device and attended in a few batched calls:
+    a loop per sequence would cost a dozen kernel launches per sequence and layer, and reading the
+    lengths back a host sync per layer. `max_seqlen` (a host int, as flash-attn's varlen API takes it)
+    avoids the one read-back otherwise needed to size the padding.
+    """
+    T, B = q.shape[0], query_start_loc.numel() - 1
+    if T == 0:
+        return torch.zeros_like(q)
+    if max_seqlen is None:
+        max_seqlen = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    L = max_seqlen
+    if B * L == T:  # equal lengths (packed batches): the padded layout is a view
+        pad = lambda t, fill: t.unflatten(0, (B, L))  # noqa: E731
+        unpad = lambda t: t.flatten(0, 1)  # noqa: E731
+    else:
+        qsl = query_start_loc.to(q.device)
+        tok = torch.arange(T, device=q.device, dtype=qsl.dtype)
+        seq = (torch.searchsorted(qsl, tok, right=True) - 1).long()  # the last start <= t: skips empty ones
+        at = (seq, (tok - qsl[seq]).long())  # (sequence, offset in it) of each token
+        pad = lambda t, fill: t.new_full((B, L, *t.shape[1:]), fill).index_put(at, t)  # noqa: E731
+        unpad = lambda t: t[at]  # noqa: E731
+    # Padding keys sit at a position no real query reaches (causality masks them); padding queries see
+    # the padding keys of their row (same position, inside any window), so no softmax row is empty.
+    never = torch.iinfo(positions.dtype).max
+    qp, kp, vp, pos = pad(q, 0), pad(k, 0), pad(v, 0), pad(positions, never)
+    rows = max(1, VARLEN_SCORE_ELEMENTS // (q.shape[1] * L * (L + 1)))
+    out = [attend(qp[i:i + rows], kp[i:i + rows], vp[i:i + rows], pos[i:i + rows], pos[i:i + rows], sinks,
+                  sliding_window, scale) for i in range(0, B, rows)]
+    return unpad(out[0] if len(out) == 1 else torch.cat(out))
 
 
 def attend(q, k, v, q_pos, kv_pos, sinks, sliding_window, scale) -> torch.Tensor:

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import needs_grad, use_triton
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over raw router logits, then softmax over the k selected: (gates [T,k], experts [T,k])."""
+    if use_triton(x) and not needs_grad(x, router_w, router_b):
+        from kernels.triton_routing import route_triton
+        return route_triton(x, router_w, router_b, top_k)
+    return route_ref(x, router_w, router_b, top_k)
+
+
+def route_ref(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits in x.dtype; experts by descending logit (torch.topk, sorted); gates in x.dtype."""
     logits = torch.nn.functional.linear(x, router_w, router_b)
     vals, idx = torch.topk(logits, top_k, dim=-1)
     return torch.softmax(vals, dim=-1, dtype=vals.dtype), idx
@@ -40,8 +49,30 @@ def moe(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: tor
 
 
 def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit) -> torch.Tensor:
-    gates, experts = route(x, router_w, router_b, top_k)
+    """Two exact formulations; both add a token's expert outputs in ascending expert order.
+
+    Dense: every expert on every token, then each token keeps its top-k outputs. It wastes (E - k) / E of
+    its multiply-adds, but is a fixed handful of ops with no host sync, where the loop over the selected
+    experts pays ~15 ops and a sync (torch.where) per expert and layer. One loop iteration costs about as
+    much as 2e10 multiply-adds on a GPU (launch-bound, and each sync drains the queue: training's target
+    forward) and 2e6 on a CPU (measured, tiny models), so the tiny target always runs dense on a GPU, while
+    a CPU runs dense only at decode sizes. Packed MXFP4 experts (`_UnpackedExperts`) always loop, so only
+    the experts a batch selects are ever unpacked.
+    """
+    gates, experts = route_ref(x, router_w, router_b, top_k)
     out = torch.zeros_like(x)
+    if torch.is_tensor(w1):
+        (E, two_i, H), T = w1.shape, x.shape[0]
+        wasted = (E - top_k) * T * 3 * H * two_i // 2
+        per_expert = 2e6 if x.device.type == "cpu" else 2e10
+        if wasted <= E * per_expert and E * T * two_i <= 1 << 28:  # and [E, T, 2I] activations fit easily
+            h = swiglu(torch.baddbmm(b1[:, None], x.expand(E, T, H), w1.mT), alpha, limit)
+            y = torch.baddbmm(b2[:, None], h, w2.mT)  # [E, T, H]
+            experts, order = experts.sort(dim=-1)
+            gates, tok = gates.gather(-1, order), torch.arange(T, device=x.device)
+            for s in range(top_k):
+                out = out + (y[experts[:, s], tok] * gates[:, s, None]).to(x.dtype)
+            return out
     for e in torch.unique(experts).tolist():
         tok, slot = torch.where(experts == e)
         h = swiglu(torch.nn.functional.linear(x[tok], w1[e], b1[e]), alpha, limit)

@@ -1,10 +1,12 @@
 """Triton GPT-OSS mixture of experts: grouped GEMMs over expert-sorted (token, expert) pairs.
 
 Same signature and semantics as `kernels.moe.moe_ref`. Steps:
-1. routing in torch (router linear, top-k, softmax over the k logits; tiny);
+1. routing: one Triton launch for router linear, top-k and softmax over the k logits
+   (`kernels.triton_routing`);
 2. sort the T*k (token, expert) pairs by expert, never syncing with the host (CUDA-graph
-   friendly): one Triton program (counting sort) for small batches, else a stable torch argsort
-   plus searchsorted for the per-expert row offsets;
+   friendly): a counting sort in one Triton program for small batches (inside the routing launch
+   when that is one program, as at decode, else its own launch), else a stable torch argsort plus
+   searchsorted for the per-expert row offsets;
 3. `_moe_up_kernel`: h = clamped-SwiGLU(x[token] @ w1[e]^T + b1[e]) for each sorted pair; the gate
    and up channels are the even and odd rows of w1[e], read as two tiles and combined in registers;
 4. `_moe_down_kernel`: y[pair] = gate * (h @ w2[e]^T + b2[e]), stored at the pair's own row
@@ -26,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import check_moe_shapes, route
+from kernels.moe import check_moe_shapes
 from kernels.triton_attention import segment_of_tile
+from kernels.triton_routing import SORT_MAX_ELEMS, counting_sort, route_and_sort_pairs
 
 
 @triton.jit
@@ -129,22 +132,10 @@ def _moe_down_kernel(h_ptr, w2_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets
 @triton.jit
 def _sort_pairs_kernel(experts_ptr, order_ptr, offsets_ptr, num_pairs, num_experts,
                        PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr):
-    """One program: a stable counting sort of the pairs by expert (small batches only).
-
-    onehot[e, p] = (expert of pair p == e); its row sums are the counts, their exclusive cumsum
-    the offsets, and its running sum along p the rank of each pair inside its expert's rows.
-    """
+    """One program: a stable counting sort of the pairs by expert (small batches only)."""
     p = tl.arange(0, PAIRS_PAD)
-    p_ok = p < num_pairs
-    expert = tl.load(experts_ptr + p, mask=p_ok, other=EXPERTS_PAD)  # padding matches no expert
-    e = tl.arange(0, EXPERTS_PAD)
-    onehot = (expert[None, :] == e[:, None]).to(tl.int32)  # [EXPERTS_PAD, PAIRS_PAD]
-    counts = tl.sum(onehot, 1)
-    starts = tl.cumsum(counts, 0) - counts
-    rank = tl.sum(onehot * (tl.cumsum(onehot, 1) - 1), 0)
-    start = tl.sum(onehot * starts[:, None], 0)
-    tl.store(order_ptr + start + rank, p, mask=p_ok)
-    tl.store(offsets_ptr + e, tl.where(e < num_experts, starts, num_pairs), mask=e <= num_experts)
+    expert = tl.load(experts_ptr + p, mask=p < num_pairs, other=EXPERTS_PAD)  # padding matches no expert
+    counting_sort(expert, p, order_ptr, offsets_ptr, num_pairs, num_experts, EXPERTS_PAD)
 
 
 def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +145,7 @@ def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch
     of a radix sort's several); large ones a stable torch sort."""
     flat = experts.flatten()
     pairs_pad, experts_pad = triton.next_power_of_2(max(flat.numel(), 1)), triton.next_power_of_2(num_experts + 1)
-    if pairs_pad * experts_pad <= 32768:
+    if pairs_pad * experts_pad <= SORT_MAX_ELEMS:
         order = torch.empty(flat.numel(), device=flat.device, dtype=torch.int32)
         offsets = torch.empty(num_experts + 1, device=flat.device, dtype=torch.int32)
         _sort_pairs_kernel[(1,)](flat.contiguous(), order, offsets, flat.numel(), num_experts,
@@ -203,10 +194,11 @@ class RoutedPairs:
 
 
 def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int) -> RoutedPairs:
-    """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights): route in torch, sort the pairs on device."""
+    """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights), on device: one launch at decode sizes (the
+    routing kernel sorts the pairs too), else the routing kernel then `sort_pairs_by_expert`."""
     T, E = x.shape[0], router_w.shape[0]
-    gates, experts = route(x, router_w, router_b, top_k)
-    order, offsets = sort_pairs_by_expert(experts, E)
+    gates, experts, sorted_pairs = route_and_sort_pairs(x, router_w, router_b, top_k)
+    order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
     tiles = moe_tiles(T, top_k)
     return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, T * top_k // tiles.block_m + E)
 

@@ -23,7 +23,7 @@ import torch
 
 from kernels.dispatch import set_triton_enabled, triton_enabled
 
-TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_moe", "kernels.triton_norm",
+TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_routing", "kernels.triton_moe", "kernels.triton_norm",
                   "kernels.triton_rope")  # dependency order
 
 if not torch.cuda.is_available():
@@ -45,7 +45,7 @@ def _load_kernels(interpret: bool) -> SimpleNamespace:
         if compiled == interpret:
             module = importlib.reload(module)
         modules.append(module)
-    return SimpleNamespace(attention=modules[0], moe=modules[1], norm=modules[2], rope=modules[3])
+    return SimpleNamespace(**{name.removeprefix("kernels.triton_"): m for name, m in zip(TRITON_MODULES, modules)})
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernel_utils import triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.attention import paged_attention, paged_attention_ref, write_kv, write_kv_ref
+from kernels.attention import attend, paged_attention, paged_attention_ref, varlen_attention, write_kv, write_kv_ref
 from kernels.dispatch import use_triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -193,3 +193,70 @@ def test_paged_attention_cuda_graph_capture(triton_cuda):
     graph.replay()
     torch.testing.assert_close(out, step(), atol=0, rtol=0)
     assert not torch.equal(out, eager)
+
+
+# --------------------------------------------------------------------------------------------
+# varlen_attention (cache-free; training and feature extraction) against one `attend` per sequence
+# --------------------------------------------------------------------------------------------
+
+
+def varlen_per_sequence(q, k, v, qsl, positions, sinks, window, scale):
+    """The obvious oracle: each sequence on its own."""
+    out = torch.zeros_like(q)
+    for s, e in zip(qsl[:-1].tolist(), qsl[1:].tolist()):
+        if e > s:
+            out[s:e] = attend(q[s:e], k[s:e], v[s:e], positions[s:e], positions[s:e], sinks, window, scale)
+    return out
+
+
+def make_varlen(lengths: list[int], hq: int, hkv: int, d: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv))
+    qsl = torch.tensor([0, *lengths]).cumsum(0)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    sinks = torch.randn(hq, generator=g, requires_grad=True)
+    return q, k, v, qsl, positions, sinks
+
+
+RAGGED = [7, 0, 19, 1, 12, 19]  # unequal, empty and one-token sequences, two of the longest
+
+
+@pytest.mark.parametrize("lengths", [RAGGED, [9, 9, 9], [5]], ids=["ragged", "equal", "one"])
+@pytest.mark.parametrize("window,with_sinks", [(None, True), (4, True), (4, False), (None, False)])
+@pytest.mark.parametrize("max_seqlen_known", [True, False])
+def test_varlen_attention_matches_per_sequence(lengths, window, with_sinks, max_seqlen_known):
+    """Values and gradients (q, k, v, sinks) of the batched, padded formulation equal the per-sequence loop."""
+    q, k, v, qsl, pos, sinks = make_varlen(lengths, 8, 2, 16)
+    sinks = sinks if with_sinks else None
+    grads = [t for t in (q, k, v, sinks) if t is not None]
+    want = varlen_per_sequence(q, k, v, qsl, pos, sinks, window, 0.25)
+    got = varlen_attention(q, k, v, qsl, pos, sinks, window, 0.25, max(lengths) if max_seqlen_known else None)
+    torch.testing.assert_close(got, want, **TOL)
+    w = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad((want * w).sum(), grads), torch.autograd.grad((got * w).sum(), grads)):
+        torch.testing.assert_close(b, a, **TOL)
+
+
+def test_varlen_attention_in_memory_bounded_groups(monkeypatch):
+    """A batch larger than the score budget is attended a few sequences at a time, with the same result;
+    int32 query_start_loc (the engine's) works too."""
+    import kernels.attention as A
+    q, k, v, qsl, pos, sinks = make_varlen(RAGGED, 4, 4, 8, seed=1)
+    want = varlen_per_sequence(q, k, v, qsl, pos, sinks, 3, 0.3)
+    monkeypatch.setattr(A, "VARLEN_SCORE_ELEMENTS", 2 * 4 * 19 * 20)  # two sequences a group
+    torch.testing.assert_close(varlen_attention(q, k, v, qsl.int(), pos, sinks, 3, 0.3, 19), want, **TOL)
+
+
+def test_varlen_attention_reads_nothing_back_with_max_seqlen():
+    """Given max_seqlen, nothing is copied to the host (on a GPU, no sync): no .item()/.tolist() on any input."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func.__name__.split(".")[0] not in ("_local_scalar_dense", "nonzero", "_unique2"), func
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, qsl, pos, sinks = make_varlen(RAGGED, 4, 2, 8)
+    with torch.no_grad(), NoReads():
+        varlen_attention(q, k, v, qsl, pos, sinks, 4, 0.3, max(RAGGED))

@@ -149,3 +149,26 @@ def test_rotary_cos_sin_are_computed_once_per_forward_with_identical_results(tmp
         per_layer, _ = model(ids, meta)
     assert len(calls) == 1 + cfg.num_hidden_layers
     assert torch.equal(shared, per_layer)
+
+
+def test_packed_qkv_gives_the_same_forward_and_keeps_the_weights_in_place(tmp_path):
+    """The engine packs q/k/v into one GEMM: same outputs, same state dict, no second copy of the weights,
+    and in-place updates of q_proj still reach the packed weight."""
+    from peagle_core.models.layers import pack_qkv
+
+    cfg = tiny_target_config()
+    model = build_target(tmp_path / "t", cfg, seed=4).eval()
+    ids, meta = torch.randint(0, cfg.vocab_size, (12,)), ForwardMeta.for_sequences([7, 5])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        plain, _ = model(ids, meta)
+        pack_qkv(model)
+        packed, _ = model(ids, meta)
+    assert torch.allclose(plain, packed, atol=1e-5)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    attn = model.attention_layers()[0]
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv[0].untyped_storage().data_ptr()
+    with torch.no_grad():
+        attn.v_proj.weight.zero_()
+        assert attn.qkv[0][-attn.v_proj.out_features:].abs().sum() == 0

@@ -23,6 +23,9 @@ class ForwardMeta:
     With `block_tables` set, K/V are written at `slot_mapping` (-1: skip) and attention reads the
     paged cache up to `seq_lens[b]`; without it, attention is cache-free within each request
     (feature extraction, training) unless `attn_mask` [T, T] (True = may attend) is given.
+    With `kv_prefix` as well (EAGLE-3 training's unrolled steps), each attention layer attends to the
+    keys/values it was given in earlier forwards before its own (`attn_mask` is then [T, prefix + T])
+    and adds its own to them: a step computes only its new elements, not every earlier one again.
     """
 
     positions: torch.Tensor
@@ -31,13 +34,15 @@ class ForwardMeta:
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     attn_mask: torch.Tensor | None = None
+    max_seqlen: int | None = None  # longest request, on the host: cache-free attention pads to it without a sync
+    kv_prefix: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] | None = None  # per attention layer, grown in place
 
     @classmethod
     def for_sequences(cls, lengths: list[int], device: torch.device | str = "cpu") -> "ForwardMeta":
         """Cache-free metadata for whole sequences starting at position 0."""
         positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
         qsl = torch.tensor([0, *accumulate(lengths)], device=device)
-        return cls(positions=positions, query_start_loc=qsl)
+        return cls(positions=positions, query_start_loc=qsl, max_seqlen=max(lengths, default=0))
 
 
 class RMSNorm(nn.Module):
@@ -142,12 +147,31 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.scale = head_dim ** -0.5
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the engine
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # packed by `pack_qkv`
+        self.qkv_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+    def pack_qkv(self) -> None:
+        """For inference: q, k and v from one GEMM (at decode sizes each projection is a short, latency-bound
+        GEMV; one launch instead of three). The three weights become views of the packed one, so nothing is
+        duplicated and `q_proj`/`k_proj`/`v_proj` (state dict, sharding, in-place updates) stay valid."""
+        projs, sizes = (self.q_proj, self.k_proj, self.v_proj), self.qkv_sizes
+        weight = torch.cat([p.weight.data for p in projs])
+        bias = torch.cat([p.bias.data for p in projs]) if self.q_proj.bias is not None else None
+        for i, p in enumerate(projs):
+            p.weight.data = weight.split(sizes)[i]
+            if bias is not None:
+                p.bias.data = bias.split(sizes)[i]
+        self.qkv = (weight, bias)
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = torch.nn.functional.linear(x, *self.qkv).split(self.qkv_sizes, -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, meta.positions)
         if meta.block_tables is not None:
             k_cache, v_cache = self.kv_cache
@@ -155,15 +179,28 @@ class Attention(nn.Module):
             o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 meta.positions, self.sinks, self.sliding_window, self.scale)
         elif meta.attn_mask is not None:
+            if meta.kv_prefix is not None:
+                if self in meta.kv_prefix:
+                    k_past, v_past = meta.kv_prefix[self]
+                    k, v = torch.cat([k_past, k]), torch.cat([v_past, v])
+                meta.kv_prefix[self] = (k, v)
             o = masked_attention(q, k, v, meta.attn_mask, self.scale)
         else:
             o = varlen_attention(q, k, v, meta.query_start_loc, meta.positions, self.sinks,
-                                 self.sliding_window, self.scale)
+                                 self.sliding_window, self.scale, meta.max_seqlen)
         return self.o_proj(o.reshape(T, -1))
 
 
+def pack_qkv(model: nn.Module) -> None:
+    """`Attention.pack_qkv` on every attention layer of `model` (idempotent)."""
+    for m in model.modules():
+        if isinstance(m, Attention) and m.qkv is None:
+            m.pack_qkv()
+
+
 def masked_attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense attention under an explicit [T, T] boolean mask (drafter training); no sinks."""
+    """Dense attention of q [T, Hq, D] over k/v [S, Hkv, D] under an explicit [T, S] boolean mask (drafter
+    training); no sinks."""
     group = q.shape[1] // k.shape[1]
     # 4-D [1, H, T, D] inputs: with 3-D ones SDPA takes its unfused math path ([H, T, T] fp32 scores in memory).
     heads_first = lambda t: t.transpose(0, 1)[None]  # noqa: E731
