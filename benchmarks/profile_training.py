@@ -6,16 +6,24 @@
 
 Everything after `--` is `peagle train`'s own arguments (`--steps` is set here). The first `--skip` steps
 (compilation, allocator warm-up) are not recorded; the next `--record` are. Writes profile_training.json and
-profile_training.md: step wall time, host-side operators by self CPU time, device kernels by time, and the
-number of operator events a step; a step whose wall time is far above its kernel time is host-bound.
+profile_training.md: step wall time, host-side operators by self CPU time, device kernels by time, the
+number of operator events a step, and host syncs a step; a step whose wall time is far above its kernel
+time is host-bound.
+
+Syncs: on CUDA, every call that waits for the device (torch.cuda.set_sync_debug_mode counts them). On
+a CPU, the events of operators that would wait for a GPU were their inputs there (value reads,
+data-dependent sizes); these also count the host's own planning on CPU tensors, which never waits.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -23,6 +31,28 @@ from torch.profiler import ProfilerActivity, profile, schedule
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peagle_core.training import cli  # noqa: E402
 from peagle_core.training.trainer import Trainer  # noqa: E402
+
+
+# Operators that read a value back (.item(), .tolist(), int(t)) or size their output by the data.
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::_unique2", "aten::unique_dim",
+            "aten::unique_consecutive", "aten::masked_select"}
+
+
+@contextlib.contextmanager
+def cuda_syncs(enabled: bool) -> Iterator[list[int]]:
+    """Counts the calls inside that wait for the GPU into the yielded [count] (the sync debug mode warns at each)."""
+    count = [0]
+    if not enabled:
+        yield count
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield count
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    count[0] = sum("synchronizing" in str(w.message) for w in caught)
 
 
 def table(prof, steps: int, device: bool, top: int = 20) -> list[dict]:
@@ -50,14 +80,17 @@ def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     walls: list[float] = []
+    syncs: list[int] = []
     step = Trainer.step
     with profile(activities=activities, schedule=schedule(wait=a.skip, warmup=0, active=a.record)) as prof:
         def timed_step(self):
             t0 = time.perf_counter()
-            out = step(self)
+            with cuda_syncs(cuda) as count:
+                out = step(self)
             if cuda:
                 torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
+            syncs.append(count[0])
             prof.step()
             return out
         Trainer.step = timed_step  # benchmark only: time and record each step of the real training loop
@@ -71,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
            "command": "python benchmarks/profile_training.py " + " ".join(argv), "method": args.method, "batch_size": args.batch_size,
            "step_s": recorded, "op_calls_per_step": sum(e.count for e in events
                                                         if e.device_type == torch.autograd.DeviceType.CPU) / a.record,
+           "sync_op_calls_per_step": sum(e.count for e in events if e.key in SYNC_OPS) / a.record,
+           "cuda_syncs_per_step": sum(syncs[a.skip:]) / a.record if cuda else None,
            "kernel_ms_per_step": sum(getattr(e, "self_device_time_total", 0.0) for e in events
                                      if e.device_type == torch.autograd.DeviceType.CUDA) / a.record / 1e3,
            "host_ops": table(prof, a.record, device=False), "kernels": table(prof, a.record, device=True)}
@@ -80,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     md = [f"# Drafter training step profile ({res['method']}, batch {res['batch_size']}, {res['device']})", "",
           f"Command: `{res['command']}`; torch {res['torch']}.", "",
           f"Step wall time (s): {', '.join(f'{s:.3f}' for s in recorded)}; kernels {res['kernel_ms_per_step']:.1f} "
-          f"ms a step; {res['op_calls_per_step']:.0f} host operator events a step (nested calls included).", ""]
+          f"ms a step; {res['op_calls_per_step']:.0f} host operator events a step (nested calls included); "
+          f"{res['sync_op_calls_per_step']:.0f} of syncing operators"
+          + (f", {res['cuda_syncs_per_step']:.0f} CUDA syncs a step." if cuda else "."), ""]
     for name, key in (("Host operators (self CPU time)", "host_ops"), ("Device kernels", "kernels")):
         md += [f"## {name}", "", "| name | calls / step | us / step |", "| --- | --- | --- |"]
         md += [f"| `{r['name'][:80]}` | {r['calls_per_step']:.0f} | {r['us_per_step']:.0f} |" for r in res[key]] + [""]

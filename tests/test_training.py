@@ -381,6 +381,27 @@ def test_eagle3_unroll_equals_sequential_drafting(target, feed):
                 hidden = torch.cat([hidden, prenorm[-1:]])
 
 
+def test_eagle3_unroll_computes_each_element_once(target):
+    """Step j runs the drafter over depth j's elements only (earlier depths' keys/values are reused, not
+    recomputed): the unrolled forwards see len(p) query rows in all, and attend to the whole prefix."""
+    feats, valid = single(target, 30, 5)
+    drafter = make_drafter(target, "eagle3", layers=2)
+    (p,) = plan_passes([cod_sample(29, 4, 1.0, 1.0, torch.Generator())], [valid], [0])
+    rows, keys = [], []
+
+    def record(module, args):  # (x, meta) of the second layer's attention
+        rows.append(args[0].shape[0])
+        keys.append(args[1].attn_mask.shape[1])
+
+    hook = drafter.layers["1"].self_attn.register_forward_pre_hook(record)
+    with torch.no_grad():
+        for _ in eagle3_unroll(drafter, feats, p):
+            pass
+    hook.remove()
+    assert rows == [b - a for a, b in zip([0] + p.ends[:-1], p.ends)] and sum(rows) == len(p)
+    assert keys == p.ends
+
+
 def test_element_loss_kinds():
     t = torch.tensor([[2.0, 0.0, -1.0]])
     logp, top = torch.log_softmax(t, -1), t.argmax(-1)

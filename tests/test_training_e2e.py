@@ -121,4 +121,5 @@ def test_training_profile_script_smoke_run_on_cpu(setup, tmp_path):
     res = json.loads((tmp_path / "prof" / "profile_training.json").read_text())
     assert len(res["step_s"]) == 2 and all(s > 0 for s in res["step_s"])
     assert res["host_ops"] and res["op_calls_per_step"] > 0
+    assert res["sync_op_calls_per_step"] >= 0 and res["cuda_syncs_per_step"] is None  # counted on CUDA only
     assert "## Host operators" in (tmp_path / "prof" / "profile_training.md").read_text()

@@ -52,21 +52,18 @@ def cod_sample(n_valid: int, num_depths: int, ratio: float, ratio_min: float, ge
     valid = torch.ones(n_valid, dtype=torch.bool) if loss_mask is None else loss_mask.to("cpu", torch.bool)
     if valid.shape != (n_valid,):
         raise ValueError(f"loss_mask has shape {tuple(valid.shape)}, expected ({n_valid},)")
-    m = int(valid.sum())
-    ref = torch.arange(n_valid)
-    anchors, depths = [ref], [torch.zeros(n_valid, dtype=torch.long)]
-    counts = cod_counts(m, num_depths, ratio, ratio_min)
-    for d in range(1, num_depths):
-        pool = ref + 1
-        pool = pool[pool < n_valid]
-        pool = pool[valid[pool]]
+    counts = cod_counts(int(valid.sum()), num_depths, ratio, ratio_min)
+    # slot r's chain may continue to slot r + 1 if that slot is inside the sequence and supervised
+    extends = torch.cat([valid[1:], valid.new_zeros(1)])
+    refs = [torch.arange(n_valid)]  # each depth's reference slots (anchor + depth)
+    for d in range(1, num_depths):  # a few ops a depth: this runs for every sequence of every step
+        pool = refs[-1][extends[refs[-1]]] + 1
         k = min(counts[d], pool.numel())
         if k <= 0:
             break
-        ref = pool[torch.randperm(pool.numel(), generator=generator)[:k]].sort().values
-        anchors.append(ref - d)
-        depths.append(torch.full((k,), d, dtype=torch.long))
-    return torch.cat(anchors), torch.cat(depths)
+        refs.append(pool[torch.randperm(pool.numel(), generator=generator)[:k]].sort().values)
+    depth = torch.repeat_interleave(torch.arange(len(refs)), torch.tensor([r.numel() for r in refs]))
+    return torch.cat(refs) - depth, depth
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,6 +161,10 @@ def plan_passes(samples: list[tuple[torch.Tensor, torch.Tensor]], valid: list[to
     units = []
     for (anchor, depth), ok, row0 in zip(samples, valid, starts):
         sup = ok[anchor + depth]
+        if num_segments == 1:  # the sequence is its only unit: no partition bookkeeping (a dozen ops a sequence)
+            if sup.any():
+                units.append((row0, anchor, depth, sup))
+            continue
         seg = assign_segments(anchor, depth, ok.numel(), num_segments)
         for s in range(num_segments):
             idx, owned = segment_elements(depth, seg, s)
