@@ -473,12 +473,13 @@ def request_lengths(n: int, max_tokens: int, seed: int) -> list[int]:
     return [max(2, round(max_tokens * rng.uniform(0.5, 1.5))) for _ in range(n)]
 
 
-def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: int, tag: str = "c"
-              ) -> dict[str, Any]:
-    """Closed loop at concurrency C; returns throughput (steady window), TPOT and step statistics."""
+def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: int, tag: str = "c",
+              min_requests: int = 0) -> dict[str, Any]:
+    """Closed loop at concurrency C over max(waves x C, min_requests) requests; returns throughput (steady
+    window), TPOT and step statistics."""
     from peagle_core import SamplingParams
 
-    n = C * waves
+    n = max(C * waves, min_requests)
     lengths = request_lengths(n, max_tokens, seed)
     pending = deque(range(n))
     reqs, inflight = [], 0
@@ -558,6 +559,28 @@ def tune_batch_table(cells: list[dict[str, Any]], fixed: list[int], concurrency:
     return table
 
 
+def combine_rounds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cell per (policy, concurrency): with several rounds, every figure is the median over them and
+    `throughput_by_round` keeps each round's throughput (its spread is the noise the comparison must beat)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for c in cells:
+        if c.get("status") == "ok":
+            groups.setdefault((c["policy"], c["concurrency"]), []).append(c)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda c: c.get("round", 0))
+        cell = dict(group[0])
+        if len(group) > 1:
+            for key, v in group[0].items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("concurrency", "K", "round"):
+                    cell[key] = statistics.median(c[key] for c in group if isinstance(c.get(key), (int, float)))
+            cell.pop("round", None)
+        cell["rounds"] = len(group)
+        cell["throughput_by_round"] = [c["throughput_tok_s"] for c in group]
+        out.append(cell)
+    return out
+
+
 def cell_summary(engine) -> dict[str, Any]:
     d = engine.policy.describe()
     steps = d.get("steps", 0.0)
@@ -591,7 +614,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     cells: list[dict[str, Any]] = []
     for f in sorted((out / "cells").glob("*.json")) if a.resume else []:
         cells.append(json.loads(f.read_text()))
-    done = {(c["policy"], c["concurrency"]) for c in cells if c.get("status") == "ok"}
+    done = {(c["policy"], c["concurrency"], c.get("round", 0)) for c in cells if c.get("status") == "ok"}
     started = time.perf_counter()
     prompts = None
     order = [p for p in a.policies if p != "batch_table"] + [p for p in a.policies if p == "batch_table"]
@@ -625,14 +648,16 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         release()
         log(f"[sweep] prewarm ({a.prewarm_policy}) done in {time.perf_counter() - t0:.1f}s (not measured)")
         started = time.perf_counter()
-    for policy in order:
-        todo = [C for C in a.concurrency if (policy, C) not in done]
+    table = batch_table
+    for rnd, policy in ((r, p) for r in range(a.rounds) for p in order):
+        todo = [C for C in a.concurrency if (policy, C, rnd) not in done]
         if not todo:
             continue
         if time.perf_counter() - started > a.time_budget_s:
-            log(f"[sweep] time budget spent: {policy} not run")
+            log(f"[sweep] time budget spent: {policy} (round {rnd + 1}) not run")
             break
-        table = batch_table or (tune_batch_table(cells, fixed, a.concurrency) if policy == "batch_table" else None)
+        if policy == "batch_table" and table is None:  # tuned once, on the first round's fixed-K cells
+            table = tune_batch_table(combine_rounds(cells), fixed, a.concurrency)
         try:
             spec = policy_spec(policy, models, max_k, table)
         except ValueError as e:
@@ -645,7 +670,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
 
             engine.policy = FixedDepth(f[0])  # benchmark only: k < K on a depth-K engine
         log(f"[sweep] {policy}: engine built in {time.perf_counter() - t_build:.1f}s "
-            f"({type(engine.policy).__name__}, K={engine.K})")
+            f"({type(engine.policy).__name__}, K={engine.K}, round {rnd + 1}/{a.rounds})")
         fresh = copy.deepcopy(engine.policy)
         for C in todo:
             engine.policy = copy.deepcopy(fresh)  # every level starts from the policy's start-up state
@@ -654,15 +679,15 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
                 run_level(engine, prompts, C, 1, max(2, a.warmup_steps), a.seed + 1, tag="warmup")
                 engine.policy = copy.deepcopy(fresh)
                 engine.stats = type(engine.stats)()
-            cell = {"policy": policy, "concurrency": C, "K": engine.K, "status": "ok",
+            cell = {"policy": policy, "concurrency": C, "round": rnd, "K": engine.K, "status": "ok",
                     "spec": spec, "replayed_verify_steps": None}
             before = replay.forced if replay else 0
-            cell.update(run_level(engine, prompts, C, a.waves, a.max_tokens, a.seed))
+            cell.update(run_level(engine, prompts, C, a.waves, a.max_tokens, a.seed, min_requests=a.min_requests))
             cell.update(cell_summary(engine))
             if replay:
                 cell["replayed_verify_steps"] = replay.forced - before
             cells.append(cell)
-            (out / "cells" / f"{policy}_c{C}.json").write_text(json.dumps(cell, indent=1))
+            (out / "cells" / f"{policy}_c{C}_r{rnd}.json").write_text(json.dumps(cell, indent=1))
             log(f"[sweep] {policy:>11} C={C:<3} {cell['throughput_tok_s']:9.1f} tok/s  "
                 f"TPOT {cell['tpot_ms_mean']:.2f} ms  mean k {cell['mean_k']:.2f}  AL {cell['acceptance_length']:.2f}")
         del engine, fresh
@@ -670,12 +695,13 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     result = {"kind": "measured", "shape": a.shape, "mode": a.mode, "device": str(device), "dtype": dtype_name,
               "machine": machine(device), "command": command_line(), "date": _dt.date.today().isoformat(),
               "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
-              "prompts": a.prompts, "waves": a.waves,
+              "prompts": a.prompts, "waves": a.waves, "min_requests": a.min_requests, "rounds": a.rounds,
               "acceptance": ({"replay": str(a.replay), "trace": (trace.source if trace else None),
                               "trace_acceptance_length_at_K": trace.acceptance_length() if trace else None}
                              if trace else "real (the model's own drafts)"),
-              "batch_table": batch_table or tune_batch_table(cells, fixed, a.concurrency),
-              "cells": sorted(cells, key=lambda c: (c["policy"], c["concurrency"]))}
+              "batch_table": table or tune_batch_table(combine_rounds(cells), fixed, a.concurrency),
+              "cells": sorted(combine_rounds(cells), key=lambda c: (c["policy"], c["concurrency"])),
+              "cells_by_round": sorted(cells, key=lambda c: (c["policy"], c["concurrency"], c.get("round", 0)))}
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({a.shape}, {a.mode})")
     return result
 
@@ -755,9 +781,20 @@ def render_markdown(result: dict[str, Any], title: str) -> str:
         for d in depths:
             ks = sorted({f[0] for c in sc_cells if (f := fixed_policy(c["policy"])) and f[1] == d})
             lines += comparison_lines(sc_cells, ks, conc, depth=d)
+    if any(c.get("rounds", 1) > 1 for c in cells):
+        lines += [f"### Spread of the {max(c['rounds'] for c in cells)} rounds ((max - min) / median throughput)", "",
+                  "Each figure above is a median over interleaved rounds (every round rebuilds every engine); a "
+                  "ratio between two cells means little when it is inside these spreads.", ""]
+        rows = [[C] + [_fmt(_spread(by[(p, C)]["throughput_by_round"]), 3) if (p, C) in by else "-" for p in policies]
+                for C in conc]
+        lines += _table(["concurrency"] + policies, rows) + [""]
     if result.get("batch_table"):
         lines += [f"batch_table schedule used: `{json.dumps(result['batch_table'])}`", ""]
     return "\n".join(lines)
+
+
+def _spread(xs: list[float]) -> float:
+    return (max(xs) - min(xs)) / statistics.median(xs) if xs else 0.0
 
 
 def comparison_lines(cells: list[dict[str, Any]], fixed: list[int], conc: list[int], depth: int | None = None
@@ -898,6 +935,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--kv-cache-gb", type=float, default=None)
     s.add_argument("--enforce-eager", action="store_true")
+    s.add_argument("--rounds", type=int, default=1,
+                   help="run every cell this many times, interleaved (round r runs every policy, each engine rebuilt); "
+                        "cells report the median and the rounds' spread")
+    s.add_argument("--min-requests", type=int, default=0,
+                   help="at least this many requests per level (low concurrency needs more waves to average out)")
     s.add_argument("--time-budget-s", type=float, default=float("inf"), help="start no new policy after this")
     s.add_argument("--prewarm-policy", help="run this policy over every level once, unmeasured, before the sweep "
                    "(compiles the kernels' shapes so the first measured policy is not penalised)")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks/, one section per lent-machine call (each well inside 10 minutes).
 # Results land in $OUT (the device tool brings them back); run from the repository root:
-#   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, MoE tiles, `peagle bench`
+#   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, `peagle bench`
+#   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
 #   bash benchmarks/gpu_run.sh heads     # two H200s: four tiny heads side by side (aux ids 1,3,5 and 1,3,6)
@@ -22,7 +23,7 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
 GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
-           tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py"
+           tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py"
 
 train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; its log and a tarball into $OUT
   local dir=$1 name; name=$(basename "$1"); shift
@@ -34,12 +35,15 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
 }
 
 case "${1:-}" in
-  bench)  # one H200: GPU tests, where a bs-1 step's time goes, MoE decode tiles, then `peagle bench`
-    timeout 200 python3 -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -n 80 > "$OUT/gpu_tests.log"
-    tail -n 3 "$OUT/gpu_tests.log"
+  bench)  # one H200: GPU tests, where a bs-1 step's time goes, then `peagle bench`
+    timeout 260 python3 -m pytest -v -p no:cacheprovider -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
     timeout 90 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
-    timeout 100 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3
+    timeout 40 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+    ;;
+  moe-tiles)  # one H200: MoE launch shapes at decode sizes (docs/benchmarks/moe_tiles.*)
+    timeout 300 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3
     ;;
   pair-tp)  # two H200s: the tiny pair's heads (one GPU each), then TP=1 vs TP=2 at the 20B shape
     train_heads /tmp/pair --head-steps 4000 --head-minutes "${HEAD_MINUTES:-4}"
@@ -71,18 +75,22 @@ case "${1:-}" in
     timeout 75 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
     ;;
-  adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape
-    timeout "${SWEEP_TIMEOUT:-370}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
+  adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape;
+             # at least MIN_REQUESTS requests per level, ROUNDS interleaved rounds (cells: the median; the spread
+             # between engines built alike was 20% on the H200, 47% for the tiny pair, in single-round sweeps)
+    timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
       --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" \
-      --max-tokens 96 --policies K1,K3,K5,K7,adaptive,ema_tiers,batch_table,none --prewarm-policy adaptive \
-      --time-budget-s "${SWEEP_BUDGET:-225}" \
+      --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens 96 --prewarm-policy adaptive \
+      --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
       --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
     ;;
   adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance)
-    timeout 560 python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda --prompts heldout \
-      --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" --max-tokens 96 --prewarm-policy adaptive \
-      --policies K1,K3,K5,K7,adaptive,ema_tiers,batch_table,none --time-budget-s 420 --out /tmp/sweep_tiny 2>&1 \
+    timeout "${SWEEP_TIMEOUT:-560}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
+      --prompts heldout --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" --min-requests "${MIN_REQUESTS:-8}" \
+      --rounds "${ROUNDS:-3}" \
+      --max-tokens 96 --prewarm-policy adaptive --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" \
+      --time-budget-s "${SWEEP_BUDGET:-420}" --out /tmp/sweep_tiny 2>&1 \
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
     ;;
@@ -94,5 +102,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|pair-tp|tp-sweep|heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
 esac

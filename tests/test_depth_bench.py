@@ -103,6 +103,34 @@ def test_sweep_runs_a_tiny_grid_on_cpu(tiny_pair, tmp_path):
     assert (out / "sweep.png").stat().st_size > 1000
 
 
+def test_rounds_are_interleaved_and_combined_by_median(tmp_path, capsys):
+    """--rounds 3: every policy runs once per round (policies interleaved, not one after the other) and each
+    cell reports the median of its rounds with every round's throughput kept."""
+    out = tmp_path / "rounds"
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--max-tokens", "6", "--waves", "1", "--prompt-len", "8", "--policies", "K1,K3", "--rounds", "3",
+                 "--out", str(out)])
+    assert rc == 0
+    lines = capsys.readouterr().err.splitlines()
+    built = [line.split(":")[0].split()[-1] for line in lines if "engine built" in line]
+    assert built == ["K1", "K3"] * 3
+    res = json.loads((out / "sweep.json").read_text())
+    assert len(res["cells_by_round"]) == 6 and {c["round"] for c in res["cells_by_round"]} == {0, 1, 2}
+    for cell in res["cells"]:
+        runs = cell["throughput_by_round"]
+        assert cell["rounds"] == 3 and len(runs) == 3 and cell["throughput_tok_s"] == sorted(runs)[1]
+    assert "Spread of the 3 rounds" in (out / "sweep.md").read_text()
+
+
+def test_combine_rounds_takes_medians_and_keeps_single_cells():
+    cells = [{"policy": "K1", "concurrency": 4, "round": r, "status": "ok", "throughput_tok_s": t, "mean_k": 1.0}
+             for r, t in enumerate([30.0, 10.0, 20.0])] + [{"policy": "K3", "concurrency": 4, "status": "ok",
+                                                           "throughput_tok_s": 5.0, "mean_k": 3.0}]
+    combined = {c["policy"]: c for c in S.combine_rounds(cells)}
+    assert combined["K1"]["throughput_tok_s"] == 20.0 and combined["K1"]["throughput_by_round"] == [30.0, 10.0, 20.0]
+    assert combined["K3"]["rounds"] == 1 and combined["K3"]["throughput_tok_s"] == 5.0
+
+
 def test_sweep_replays_acceptance_on_random_weights(tmp_path):
     """The 20B code path at the tiny shape: random weights built on the device, acceptance replayed."""
     out = tmp_path / "replay"

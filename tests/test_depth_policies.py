@@ -1,6 +1,7 @@
 """Baseline depth policies (vLLM's batch-size table, SGLang-like EMA tiers): they pick what their
 definitions say, the engine selects them from speculative_config, and output stays plain greedy."""
 import pytest
+import torch
 
 from peagle_core import LLM, SamplingParams
 from peagle_core.config import parse_engine_config
@@ -209,3 +210,31 @@ def test_live_steps_rescale_the_whole_model_so_a_slow_profile_cannot_lock_in_the
     assert ks[0] == 4 and rates_best == 7
     assert sum(ks[-100:]) / 100 > 6.5
     assert p.times.step(16, 7) == pytest.approx(true_ms[16][7], rel=0.05)  # the unvisited cells learned too
+
+
+def test_grid_profile_keeps_each_cells_fastest_time_so_one_outlier_cannot_flatten_a_row(monkeypatch):
+    """Verify steps cost 5 + k ms; the first timed call of (B=1, k=0) stalls for 40 ms (start-up jitter). The
+    grid must still rise with k: with that outlier as the row's floor (the running max over k), every k
+    would cost the same and the policy would always verify K drafts."""
+    import time
+
+    from peagle_core.spec.adaptive import profile_step_grid
+
+    clock = [0.0]
+    calls: dict[tuple[int, int], int] = {}
+
+    class FakeRunner:
+        block_size, max_model_len, vocab_size = 16, 4096, 100
+        target_cache = torch.zeros(1, 1, 64, 1)  # 64 blocks
+
+        def execute(self, batch, draft_len):
+            key = (len(batch), draft_len)
+            calls[key] = calls.get(key, 0) + 1
+            stall = 40e-3 if key == (1, 0) and calls[key] == 2 else 0.0  # the first timed call
+            clock[0] += (5 + draft_len) * 1e-3 * len(batch) ** 0.5 + stall
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    grid = profile_step_grid(FakeRunner(), max_batch=4, K=3, context=32)
+    assert grid.step(1, 0) == pytest.approx(5e-3)
+    assert [grid.step(1, k) for k in range(4)] == pytest.approx([5e-3, 6e-3, 7e-3, 8e-3])
+    assert all(n == 4 for n in calls.values())  # one warm-up and three timed passes per cell
