@@ -36,10 +36,10 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
 
 case "${1:-}" in
   bench)  # one H200: GPU tests, where a bs-1 step's time goes, then `peagle bench`
-    timeout 260 python3 -m pytest -v -p no:cacheprovider -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    timeout 250 python3 -m pytest -v -p no:cacheprovider -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
-    timeout 90 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
-    timeout 40 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
+    timeout 130 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
+    timeout 30 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
     ;;
   moe-tiles)  # one H200: MoE launch shapes at decode sizes (docs/benchmarks/moe_tiles.*)

@@ -2,10 +2,11 @@
 
     python benchmarks/profile_step.py --out "$OUT"        # one H200, about a minute
 
-For a plain decode step and a verify step of k = 7, each replayed from CUDA graphs and run eagerly: the step's
-wall time (CUDA events, median), the sum of its kernels' times, and the kernels grouped by name (calls and
-microseconds per step). Wall time minus kernel time is what launches and gaps between kernels cost.
-Writes profile.json and profile.md.
+For a plain decode step and a verify step of k = 7, each replayed from CUDA graphs and run eagerly, and the
+P-EAGLE drafter's step (`peagle bench`'s random 4-layer head) after a verify of K = 1 and K = 7 drafts, from
+graphs: the step's wall time (CUDA events, median), the sum of its kernels' times, and the kernels grouped by
+name (calls and microseconds per step). Wall time minus kernel time is what launches and gaps between kernels
+cost. Writes profile.json and profile.md.
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from peagle_core.bench import (Layout, build_random, decode_step_bytes, make_runner, measure,  # noqa: E402
-                               release_caches, synthetic_batch, target_config)
+from peagle_core.bench import (Layout, build_random, capture_draft_call, decode_step_bytes,  # noqa: E402
+                               drafter_config, make_runner, measure, release_caches, synthetic_batch, target_config)
+from peagle_core.models.drafter import Drafter  # noqa: E402
 from peagle_core.models.gpt_oss import GptOss  # noqa: E402
 
 
@@ -34,24 +36,44 @@ def kernel_table(prof, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int) -> dict:
-    dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
-    runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
-    batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
+def profile_calls(fn, dev: torch.device, steps: int) -> tuple[float, list[dict]]:
+    """(median wall ms of `fn`, its kernels per call) for a callable that runs one step."""
     with torch.inference_mode():
-        wall = measure(lambda: runner.execute(batch), dev, warmup=5, iters=30).median_ms
+        wall = measure(fn, dev, warmup=5, iters=30).median_ms
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         sync()
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])) as prof:
             for _ in range(steps):
-                runner.execute(batch)
+                fn()
             sync()
-    table = kernel_table(prof, steps)
+    return wall, kernel_table(prof, steps)
+
+
+def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int) -> dict:
+    dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
+    runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
+    batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
+    wall, table = profile_calls(lambda: runner.execute(batch), dev, steps)
     del runner
     release_caches(target)
     nbytes = decode_step_bytes(target, layout.context, 1, tokens_per_req=1 + k).total
-    return {"k": k, "graphs": graphs, "wall_ms": wall, "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3,
-            "bytes": nbytes, "kernels": table}
+    return {"step": "decode" if k == 0 else f"verify k={k}", "k": k, "graphs": graphs, "wall_ms": wall,
+            "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3, "bytes": nbytes, "kernels": table}
+
+
+def profile_draft(target, drafter, layout: Layout, K: int, graphs: bool, steps: int, seed: int) -> dict:
+    """The P-EAGLE drafter's part of a step after a verify of K drafts (one forward over 2K slots)."""
+    dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
+    runner = make_runner(target, drafter, "peagle", K, 1, layout, dev, dt, seed, graphs)
+    batch = synthetic_batch(1, K, layout, target.config.vocab_size, seed)
+    with torch.inference_mode():
+        call = capture_draft_call(runner, batch)
+    wall, table = profile_calls(call, dev, steps)
+    del runner, call
+    release_caches(target)
+    release_caches(drafter)
+    return {"step": f"P-EAGLE draft K={K}", "k": K, "graphs": graphs, "wall_ms": wall,
+            "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3, "bytes": None, "kernels": table}
 
 
 def render(res: dict) -> str:
@@ -59,12 +81,11 @@ def render(res: dict) -> str:
            f"Machine: {res['gpu']}; torch {res['torch']}; {res['date']}.", "", f"Command: `{res['command']}`", "",
            "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms |", "| --- | --- | --- | --- | --- | --- |"]
     for c in res["cases"]:
-        bound = c["bytes"] / res["bandwidth_tb_s"] / 1e9
-        out.append(f"| {'decode' if c['k'] == 0 else 'verify k=%d' % c['k']} | {'yes' if c['graphs'] else 'no'} | "
-                   f"{c['wall_ms']:.3f} | {c['kernel_ms']:.3f} | {c['wall_ms'] - c['kernel_ms']:.3f} | {bound:.3f} |")
+        bound = f"{c['bytes'] / res['bandwidth_tb_s'] / 1e9:.3f}" if c.get("bytes") else "-"
+        out.append(f"| {c['step']} | {'yes' if c['graphs'] else 'no'} | "
+                   f"{c['wall_ms']:.3f} | {c['kernel_ms']:.3f} | {c['wall_ms'] - c['kernel_ms']:.3f} | {bound} |")
     for c in res["cases"]:
-        out += ["", f"## {'decode' if c['k'] == 0 else 'verify k=%d' % c['k']}, "
-                    f"{'CUDA graphs' if c['graphs'] else 'eager'}: kernels", "",
+        out += ["", f"## {c['step']}, {'CUDA graphs' if c['graphs'] else 'eager'}: kernels", "",
                 "| kernel | calls / step | us / step | share |", "| --- | --- | --- | --- |"]
         for r in c["kernels"][:15]:
             out.append(f"| `{r['kernel'][:80]}` | {r['calls_per_step']:.0f} | {r['us_per_step']:.1f} | "
@@ -79,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="profiled steps per case")
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.31, help="for the bandwidth-bound column")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run, no kernel table)")
+    ap.add_argument("--skip-draft", action="store_true", help="no drafter cases")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -93,18 +115,24 @@ def main(argv: list[str] | None = None) -> None:
     res = {"shape": a.shape, "context": a.context, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
-    for k in (0, 7):
-        for graphs in (True, False) if dev.type == "cuda" else (False,):
-            try:
-                c = profile_case(target, layout, k, graphs, a.steps, seed=1 + k)
-            except Exception as e:  # keep what the other cases measured
-                res.setdefault("errors", []).append(f"k={k} graphs={graphs}: {type(e).__name__}: {e}")
-            else:
-                res["cases"].append(c)
-                print(f"k={c['k']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms, kernels {c['kernel_ms']:.3f} ms; "
-                      f"top: " + ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us" for r in c["kernels"][:4]),
-                      flush=True)
-            (out / "profile.json").write_text(json.dumps(res, indent=1))
+    graph_modes = (True, False) if dev.type == "cuda" else (False,)
+    cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k), f"k={k} graphs={g}")
+             for k in (0, 7) for g in graph_modes]
+    if not a.skip_draft:
+        drafter = build_random(lambda: Drafter(drafter_config(target.config, parallel=True, layers=4)), dev, dtype, 7)
+        cases += [(lambda K=K: profile_draft(target, drafter, layout, K, graph_modes[0], a.steps, seed=3), f"draft K={K}")
+                  for K in (1, 7)]
+    for run, name in cases:
+        try:
+            c = run()
+        except Exception as e:  # keep what the other cases measured
+            res.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
+        else:
+            res["cases"].append(c)
+            print(f"{c['step']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms, kernels {c['kernel_ms']:.3f} ms; "
+                  f"top: " + ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us" for r in c["kernels"][:4]),
+                  flush=True)
+        (out / "profile.json").write_text(json.dumps(res, indent=1))
     (out / "profile.md").write_text(render(res))
 
 
