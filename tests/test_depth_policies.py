@@ -238,3 +238,26 @@ def test_grid_profile_keeps_each_cells_fastest_time_so_one_outlier_cannot_flatte
     assert grid.step(1, 0) == pytest.approx(5e-3)
     assert [grid.step(1, k) for k in range(4)] == pytest.approx([5e-3, 6e-3, 7e-3, 8e-3])
     assert all(n == 4 for n in calls.values())  # one warm-up and three timed passes per cell
+
+
+def test_grid_profile_verifies_the_drafters_own_proposals():
+    """With a drafter, the profiled verify steps judge what the drafter proposed for their contexts (random
+    tokens route to more experts than a drafter's proposals, so they would over-charge depth)."""
+    from types import SimpleNamespace
+
+    from peagle_core.spec.adaptive import profile_step_grid
+
+    verified: list[list[int]] = []
+
+    class FakeRunner:
+        block_size, max_model_len, vocab_size = 16, 4096, 1000
+        target_cache = torch.zeros(1, 1, 64, 1)
+        drafter = object()
+
+        def execute(self, batch, draft_len):
+            verified.extend(s.req.drafts[:s.num_drafts] for s in batch if s.num_drafts)
+            return SimpleNamespace(drafts=[[7, 8, 9][:draft_len] for _ in batch])
+
+    profile_step_grid(FakeRunner(), max_batch=2, K=3, context=32)
+    assert len(verified) == 4 * 3 * (1 + 2)  # four passes, k = 1..3, 1 + 2 requests (B = 1 and 2)
+    assert all(d == [7, 8, 9][:len(d)] for d in verified)

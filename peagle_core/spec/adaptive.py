@@ -166,7 +166,8 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
     """Time `runner.execute` on synthetic decode batches: B = 1, 2, 4, ... max_batch requests with
     `context` tokens already cached (fewer when the KV cache is small), each verifying k = 0..K drafts.
     The engine calls this at start-up, before any request: the K/V it writes land in free blocks that a
-    request overwrites before reading (every forward writes a position before attending to it).
+    request overwrites before reading (every forward writes a position before attending to it). The drafts
+    verified are the drafter's own proposals for those contexts (random tokens without a drafter).
 
     One untimed pass over the whole grid first (CUDA-graph capture, compilation, clocks coming up), then
     `passes` timed passes, each cell keeping its fastest: timing noise only ever adds, and one slow outlier
@@ -195,7 +196,7 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
     vocab = runner.vocab_size
     gen = torch.Generator().manual_seed(0)
 
-    def batch_of(B: int, k: int) -> list[Scheduled]:
+    def requests(B: int) -> list[Request]:
         out = []
         for i in range(B):
             ids = torch.randint(0, vocab, (ctx + 1,), generator=gen).tolist()
@@ -203,10 +204,19 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
             req.num_computed = ctx
             req.drafts = torch.randint(0, vocab, (K,), generator=gen).tolist()
             req.block_table = list(range(i * per_req, (i + 1) * per_req))
-            out.append(Scheduled(req, 1, k))
+            out.append(req)
         return out
 
-    batches = {(B, k): batch_of(B, k) for B in sizes for k in range(K + 1)}
+    reqs = {B: requests(B) for B in sizes}
+    if getattr(runner, "drafter", None) is not None:
+        # Verify what the drafter proposes, not random tokens: the experts a verify step reads depend on its
+        # tokens, and random ones spread over more experts (H200, 20B shape: `peagle bench` verifies 7 random
+        # drafts at 1.9x the cost of 1; in the replayed sweep a whole k = 7 step cost 1.12x a k = 1 step).
+        for B in sizes:
+            proposed = runner.execute([Scheduled(r, 1, 0) for r in reqs[B]], draft_len=K).drafts
+            for r, d in zip(reqs[B], proposed):
+                r.drafts = d[:K] + r.drafts[len(d):]
+    batches = {(B, k): [Scheduled(r, 1, k) for r in reqs[B]] for B in sizes for k in range(K + 1)}
     times = {cell: float("inf") for cell in batches}
     for timed in [False] + [True] * passes:
         for (B, k), batch in batches.items():
