@@ -1,4 +1,5 @@
-"""MoE routing on one GPU: PyTorch (linear + topk + softmax, then the pair sort) against the fused Triton launch.
+"""MoE routing on one GPU: PyTorch (linear + topk + softmax, then the pair sort) against ours (the same linear,
+then one Triton launch for top-k, softmax and the sort).
 
     python benchmarks/routing.py --out "$OUT"
 

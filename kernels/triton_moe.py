@@ -1,8 +1,8 @@
 """Triton GPT-OSS mixture of experts: grouped GEMMs over expert-sorted (token, expert) pairs.
 
 Same signature and semantics as `kernels.moe.moe_ref`. Steps:
-1. routing: one Triton launch for router linear, top-k and softmax over the k logits
-   (`kernels.triton_routing`);
+1. routing: the router linear (cuBLAS), then one Triton launch for top-k and the softmax over the k
+   logits (`kernels.triton_routing`);
 2. sort the T*k (token, expert) pairs by expert, never syncing with the host (CUDA-graph
    friendly): a counting sort in one Triton program for small batches (inside the routing launch
    when that is one program, as at decode, else its own launch), else a stable torch argsort plus

@@ -27,6 +27,19 @@ from peagle_core.models.layers import ForwardMeta, pack_qkv
 _ARRAY_CODES = {torch.long: "q", torch.float32: "f"}
 
 
+def host_slots(block_table: list[int], start: int, end: int, block_size: int, max_model_len: int) -> list[int]:
+    """`ModelRunner.slots` on the host for positions start..end-1 of one request: one contiguous run per
+    block (a prefill chunk costs a Python step per block, not per token); -1 past max_model_len."""
+    out, p, stop = [], start, min(end, max_model_len)
+    while p < stop:
+        block, offset = divmod(p, block_size)
+        n = min(block_size - offset, stop - p)
+        first = block_table[block] * block_size + offset
+        out += range(first, first + n)
+        p += n
+    return out + [-1] * (end - max(stop, start))
+
+
 @dataclass
 class StepInputs:
     """One step's metadata on the device (`ModelRunner._inputs`), with the host lists the step still reads."""
@@ -137,7 +150,8 @@ class ModelRunner:
         for s in batch:
             table = s.req.block_table
             tables += table + [0] * (width - len(table))
-            slots += [self._slot(table, p) for p in range(s.req.num_computed, s.req.num_computed + s.num_tokens)]
+            slots += host_slots(table, s.req.num_computed, s.req.num_computed + s.num_tokens, self.block_size,
+                                self.max_model_len)
         params = [batch[i].req.params for i in sampling]
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
         (input_ids, positions, qsl_t, seq_lens, tables_t, slot_mapping, num_drafts_t, next_ids_t, rows_t, draft_ids_t,
@@ -147,10 +161,6 @@ class ModelRunner:
         return StepInputs(input_ids, positions, qsl_t, seq_lens, tables_t.view(len(batch), width), slot_mapping,
                           num_drafts_t, next_ids_t, rows_t, draft_ids_t, cu_t, sampling_t, top_k, temperature, top_p,
                           sampling_host=sampling, cu_host=cu, filtered=filtered, all_rows=len(rows) == len(ids))
-
-    def _slot(self, block_table: list[int], p: int) -> int:
-        """Flat cache slot of position p (host side); -1 past max_model_len (no write)."""
-        return block_table[p // self.block_size] * self.block_size + p % self.block_size if p < self.max_model_len else -1
 
     def _upload(self, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
         """Host lists to the device as views of one buffer: one copy, from pinned memory on CUDA (asynchronous;

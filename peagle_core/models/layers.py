@@ -157,10 +157,10 @@ class Attention(nn.Module):
         projs, sizes = (self.q_proj, self.k_proj, self.v_proj), self.qkv_sizes
         weight = torch.cat([p.weight.data for p in projs])
         bias = torch.cat([p.bias.data for p in projs]) if self.q_proj.bias is not None else None
-        for i, p in enumerate(projs):
-            p.weight.data = weight.split(sizes)[i]
-            if bias is not None:
-                p.bias.data = bias.split(sizes)[i]
+        for p, w, b in zip(projs, weight.split(sizes), bias.split(sizes) if bias is not None else (None,) * 3):
+            p.weight.data = w
+            if b is not None:
+                p.bias.data = b
         self.qkv = (weight, bias)
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
