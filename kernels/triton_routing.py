@@ -8,7 +8,8 @@ the pair sort); at decode sizes each costs more than its arithmetic.
 
 Why the GEMV stays in cuBLAS: a first version computed the logits inside this kernel, one program per 64
 tokens so that the router weight streams once. On an H200 that program read the 184 KB weight of
-GPT-OSS-20B at ~13 GB/s (14.7 us a layer, as slow as the five PyTorch launches it replaced); one SM
+GPT-OSS-20B at ~13 GB/s (14.7 us a layer in an H200 profile not kept, as slow as the PyTorch launches it
+replaced); one SM
 cannot keep enough loads in flight. cuBLAS spreads the GEMV over the whole GPU.
 
 A program owns BLOCK_T tokens and all experts: k rounds of row max + lowest-index argmax + mask pick
