@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks/, one section per lent-machine call (each well inside 10 minutes).
 # Results land in $OUT (the device tool brings them back); run from the repository root:
-#   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, `peagle bench`
+#   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, routing, drafter GEMMs by M, `peagle bench`
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
-#   bash benchmarks/gpu_run.sh heads     # two H200s: four tiny heads side by side (aux ids 1,3,5 and 1,3,6)
+#   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then the four heads (carry data/big)
 #   bash benchmarks/gpu_run.sh speed     # one H200: tiny heads next to the GPU tests, then profile + `peagle bench`
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
@@ -28,7 +28,8 @@ GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_
 train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; its log and a tarball into $OUT
   local dir=$1 name; name=$(basename "$1"); shift
   PEAGLE_TRITON=0 timeout "${HEADS_TIMEOUT:-330}" python3 scripts/tiny/train_pair.py \
-    --target peagle_core/assets/tiny/target --regen-data data/regen.jsonl --stop-after heads --out "$dir" "$@" \
+    --target peagle_core/assets/tiny/target --regen-data "${REGEN_DATA:-data/regen.jsonl}" --stop-after heads \
+    --out "$dir" "$@" \
     > "$OUT/$name.log" 2>&1
   tail -n 3 "$OUT/$name.log"
   tar czf "$OUT/$name.tgz" -C "$dir" peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
@@ -40,7 +41,8 @@ case "${1:-}" in
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
     timeout 130 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
     timeout 30 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
-    timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+    timeout 60 python3 benchmarks/gemm_m.py --out "$OUT" > /dev/null 2>&1
+    timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tail -n 40
     ;;
   moe-tiles)  # one H200: MoE launch shapes at decode sizes (docs/benchmarks/moe_tiles.*)
     timeout 300 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3
@@ -57,14 +59,6 @@ case "${1:-}" in
     timeout 200 python3 -m peagle_core.parallel_bench --shape 20b --tp 2 --device cuda --batch-sizes 1,8 \
       --context 1024 --scale 30 --out "$OUT/tp" 2>&1 | tail -n 16
     SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-250} SWEEP_BUDGET=${SWEEP_BUDGET:-150} bash "$0" adaptive
-    ;;
-  heads)  # two H200s: P-EAGLE and EAGLE-3 heads for two aux-layer choices, all four side by side (host-bound
-          # training leaves each GPU mostly idle)
-    for aux in 1,3,5 1,3,6; do
-      HEADS_TIMEOUT=570 train_heads "/tmp/heads_${aux//,/}" --head-steps 20000 --head-batch-size 64 \
-        --head-minutes "${HEAD_MINUTES:-8}" --aux-layers $aux &
-    done
-    wait
     ;;
   speed)  # one H200: the tiny heads train (host-bound, HEAD_MINUTES) while the GPU tests run; then the timings alone
     train_heads /tmp/pair --head-steps 100000 --head-batch-size "${HEAD_BATCH:-32}" \
@@ -94,6 +88,26 @@ case "${1:-}" in
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
     ;;
+  pair-heads)  # two H200s: the target answers many more prompts (one shard a GPU; carry data/big, written by
+               # `prepare_data.py --out data/big --per-doc 12 --num-prompts 100000 --num-code-prompts 100000`),
+               # then P-EAGLE and EAGLE-3 heads for two aux-layer choices, all four side by side (host-bound)
+    for i in 0 1; do
+      CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
+        --target peagle_core/assets/tiny/target --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
+        --regen-shard "$i/2" --regen-minutes "${REGEN_MINUTES:-2.2}" --regen-batch 512 > "$OUT/regen$i.log" 2>&1 &
+    done
+    wait
+    tail -n 2 "$OUT"/regen?.log
+    grep -h '}$' /tmp/regen0/regen.jsonl /tmp/regen1/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
+    [ "$(wc -l < /tmp/regen_big.jsonl)" -ge 2000 ] || cp data/regen.jsonl /tmp/regen_big.jsonl  # (carry it)
+    wc -l /tmp/regen_big.jsonl
+    for aux in 1,3,5 1,3,6; do
+      REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads "/tmp/heads_${aux//,/}" \
+        --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
+        --head-minutes "${HEAD_MINUTES:-5}" --aux-layers $aux &
+    done
+    wait
+    ;;
   train-profile)  # one H200: torch.profiler over head-training steps (P-EAGLE, then EAGLE-3)
     for m in "peagle --num-depths 8 --layers 2 --mask-token-id 9" "eagle3 --num-depths 5 --layers 1"; do
       set -- $m
@@ -102,5 +116,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|pair-heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
 esac

@@ -14,15 +14,6 @@ import torch
 from kernels.dispatch import use_triton
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store k/v [T, Hkv, D] at flat cache slots; slot -1 writes nothing (padding, rejected)."""
-    if use_triton(k):
-        from kernels.triton_attention import write_kv_triton
-        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-
-
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]

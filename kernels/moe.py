@@ -8,6 +8,12 @@ Expert weights are out-major like `nn.Linear` (and like the MXFP4 blocks on disk
 disk): `w1_blocks [E, 2I, H/32, 16]` + `w1_scales [E, 2I, H/32]`, `w2_blocks [E, H, I/32, 16]` +
 `w2_scales [E, H, I/32]`, all uint8 (two FP4 E2M1 codes a byte, low nibble first; one E8M0 scale
 per 32 weights along the input dimension). Biases stay in the activation dtype.
+
+`reduce=False` (both ops) returns summands `[T, S, H]` instead of `[T, H]`: S rows per token whose sum over
+S (fp32 accumulation, one rounding: `summands.sum(1)`) is the output, for `kernels.norm.add_rms_norm` to add
+inside the norm that follows the MoE (one launch fewer a layer). The Triton kernels give their k weighted
+expert outputs unsummed (S = top_k; `summands.sum(1)` is bit-identical to reduce=True); the references,
+which round after each expert's add, give their finished output as S = 1.
 """
 from __future__ import annotations
 
@@ -40,16 +46,18 @@ def swiglu(z: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
-        w2: torch.Tensor, b2: torch.Tensor, top_k: int, alpha: float, limit: float) -> torch.Tensor:
-    """x [T, H] -> [T, H]."""
+        w2: torch.Tensor, b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
+        reduce: bool = True) -> torch.Tensor:
+    """x [T, H] -> [T, H], or summands [T, S, H] with reduce=False (see the module docstring)."""
     if use_triton(x):
         from kernels.triton_moe import moe_triton
-        return moe_triton(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit)
-    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit)
+        return moe_triton(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce)
+    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce)
 
 
-def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit) -> torch.Tensor:
-    """Two exact formulations; both add a token's expert outputs in ascending expert order.
+def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, *, reduce: bool = True) -> torch.Tensor:
+    """Two exact formulations; both add a token's expert outputs in ascending expert order. With reduce=False
+    the output comes as one summand, [T, 1, H] (a view): its per-expert adds are already rounded.
 
     Dense: every expert on every token, then each token keeps its top-k outputs. It wastes (E - k) / E of
     its multiply-adds, but is a fixed handful of ops with no host sync, where the loop over the selected
@@ -72,35 +80,36 @@ def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit) -> torch
             gates, tok = gates.gather(-1, order), torch.arange(T, device=x.device)
             for s in range(top_k):
                 out = out + (y[experts[:, s], tok] * gates[:, s, None]).to(x.dtype)
-            return out
+            return out if reduce else out[:, None]
     for e in torch.unique(experts).tolist():
         tok, slot = torch.where(experts == e)
         h = swiglu(torch.nn.functional.linear(x[tok], w1[e], b1[e]), alpha, limit)
         y = torch.nn.functional.linear(h, w2[e], b2[e])
         out.index_add_(0, tok, (y * gates[tok, slot, None]).to(x.dtype))
-    return out
+    return out if reduce else out[:, None]
 
 
 def moe_mxfp4(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
               w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
-              b2: torch.Tensor, top_k: int, alpha: float, limit: float) -> torch.Tensor:
-    """`moe` over packed MXFP4 experts: x [T, H] -> [T, H]."""
+              b2: torch.Tensor, top_k: int, alpha: float, limit: float, *, reduce: bool = True) -> torch.Tensor:
+    """`moe` over packed MXFP4 experts: x [T, H] -> [T, H], or summands [T, S, H] with reduce=False."""
     if use_triton(x):
         from kernels.triton_moe_mxfp4 import moe_mxfp4_triton
         return moe_mxfp4_triton(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2,
-                                top_k, alpha, limit)
-    return moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit)
+                                top_k, alpha, limit, reduce=reduce)
+    return moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit,
+                         reduce=reduce)
 
 
-def moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit
-                  ) -> torch.Tensor:
+def moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit, *,
+                  reduce: bool = True) -> torch.Tensor:
     """Dequantize, then `moe_ref`. Experts are unpacked one at a time as `moe_ref` reads them, so only
     the experts a batch selects are ever expanded (never the layer's whole bf16 weights)."""
     check_moe_shapes(x, router_w, router_b, mxfp4_shape(w1_blocks, w1_scales, "w1"), b1,
                      mxfp4_shape(w2_blocks, w2_scales, "w2"), b2, top_k, "w1_blocks", "w2_blocks")
     w1 = _UnpackedExperts(w1_blocks, w1_scales, x.dtype)
     w2 = _UnpackedExperts(w2_blocks, w2_scales, x.dtype)
-    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit)
+    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce)
 
 
 class _UnpackedExperts:

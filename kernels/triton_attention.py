@@ -1,6 +1,7 @@
-"""Triton paged attention (sinks, sliding window, GQA) and the paged KV write.
+"""Triton paged attention (sinks, sliding window, GQA); the paged KV write rides in the RoPE kernel
+(`kernels.triton_rope.rope_write_kv_triton`).
 
-Same signatures and semantics as `kernels.attention.write_kv_ref` / `paged_attention_ref`.
+Same signature and semantics as `kernels.attention.paged_attention_ref`.
 
 One attention kernel serves prefill chunks, multi-token verify/draft queries and single-token
 decode. A program owns a tile of up to BLOCK_Q query tokens of one request and one kv head, and
@@ -35,50 +36,6 @@ NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: 
 # ---------------------------------------------------------------------------------------------
 # KV write
 # ---------------------------------------------------------------------------------------------
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:  # padding / rejected token: nothing to store
-        return
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    page, row = slot // PAGE, slot % PAGE
-    k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask)
-    kc = k_cache_ptr + page * stride_kcb + row * stride_kcs + heads[:, None] * stride_kch + dims[None, :]
-    vc = v_cache_ptr + page * stride_vcb + row * stride_vcs + heads[:, None] * stride_vch + dims[None, :]
-    tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
-    """Store k/v [T, Hkv, D] at flat cache slots `page * block_size + row`; slot < 0 writes nothing."""
-    if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"write_kv: k and v must both be [T, Hkv, D], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"write_kv: caches must be [num_blocks, block_size, {k.shape[1]}, {k.shape[2]}], "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"write_kv: slot_mapping must be [{k.shape[0]}], got {tuple(slot_mapping.shape)}")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("write_kv: caches must be contiguous in head_dim")
-    T, H, D = k.shape
-    if T == 0:
-        return
-    _write_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        *k.stride(), *v.stride(), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        NUM_KV_HEADS=H, HEAD_DIM=D, PAGE=k_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D))
-
 
 # ---------------------------------------------------------------------------------------------
 # Paged attention
@@ -334,4 +291,4 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-__all__ = ["write_kv_triton", "paged_attention_triton", "segment_of_tile", "attention_launch", "AttnLaunch"]
+__all__ = ["paged_attention_triton", "segment_of_tile", "attention_launch", "AttnLaunch"]

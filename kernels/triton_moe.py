@@ -1,17 +1,17 @@
 """Triton GPT-OSS mixture of experts: grouped GEMMs over expert-sorted (token, expert) pairs.
 
 Same signature and semantics as `kernels.moe.moe_ref`. Steps:
-1. routing: the router linear (cuBLAS), then one Triton launch for top-k and the softmax over the k
-   logits (`kernels.triton_routing`);
+1. routing (`kernels.triton_routing`): up to 64 tokens one Triton launch computes the router logits, top-k
+   and the softmax over the k logits; larger batches take the router linear from cuBLAS, then that launch;
 2. sort the T*k (token, expert) pairs by expert, never syncing with the host (CUDA-graph
-   friendly): a counting sort in one Triton program for small batches (inside the routing launch
-   when that is one program, as at decode, else its own launch), else a stable torch argsort plus
-   searchsorted for the per-expert row offsets;
+   friendly): a counting sort inside the routing launch for small batches (as at decode), else a
+   stable torch argsort plus searchsorted for the per-expert row offsets;
 3. `_moe_up_kernel`: h = clamped-SwiGLU(x[token] @ w1[e]^T + b1[e]) for each sorted pair; the gate
    and up channels are the even and odd rows of w1[e], read as two tiles and combined in registers;
 4. `_moe_down_kernel`: y[pair] = gate * (h @ w2[e]^T + b2[e]), stored at the pair's own row
    (token-major), which un-permutes for free;
-5. out = sum over the k pairs of each token (torch sum, fp32 accumulation; deterministic, no atomics).
+5. out = sum over the k pairs of each token (torch sum, fp32 accumulation; deterministic, no atomics),
+   or with reduce=False the [T, k, H] pair rows unsummed: the norm after the MoE adds them (`kernels.norm`).
 
 Both GEMMs are "grouped": expert e owns the M-tile ids `[off[e] // BLOCK_M + e, off[e+1] // BLOCK_M + e + 1)`
 (`segment_of_tile`, the same scheme as the attention kernel), so the grid is fixed by the shapes.
@@ -203,16 +203,23 @@ def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tens
     return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, T * top_k // tiles.block_m + E)
 
 
+def token_outputs(y: torch.Tensor, num_tokens: int, top_k: int, reduce: bool) -> torch.Tensor:
+    """The MoE's output from its token-major pair rows y [T*k, H]: each token's k rows summed (torch sum, fp32
+    accumulation, one rounding), or with reduce=False the [T, k, H] summands whose sum that is."""
+    y = y.view(num_tokens, top_k, y.shape[-1])
+    return y.sum(1) if reduce else y
+
+
 def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: torch.Tensor,
                b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, top_k: int, alpha: float,
-               limit: float) -> torch.Tensor:
-    """x [T, H] -> [T, H]."""
+               limit: float, *, reduce: bool = True) -> torch.Tensor:
+    """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False."""
     check_moe_shapes(x, router_w, router_b, tuple(w1.shape), b1, tuple(w2.shape), b2, top_k)
     T, H = x.shape
     E, two_i, _ = w1.shape
     inter = two_i // 2
     if T == 0:
-        return torch.zeros_like(x)
+        return token_outputs(x.new_zeros(0, H), 0, top_k, reduce)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w1 = w1 if w1.stride(-1) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
@@ -235,7 +242,8 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
         h.stride(0), w2.stride(0), w2.stride(1), b2.stride(0), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return y.view(T, top_k, H).sum(1)  # torch accumulates bf16 sums in fp32
+    return token_outputs(y, T, top_k, reduce)
 
 
-__all__ = ["moe_triton", "sort_pairs_by_expert", "moe_tiles", "MoeTiles", "route_and_sort", "RoutedPairs"]
+__all__ = ["moe_triton", "token_outputs", "sort_pairs_by_expert", "moe_tiles", "MoeTiles", "route_and_sort",
+           "RoutedPairs"]

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.moe import check_moe_shapes, mxfp4_shape
-from kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort
+from kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort, token_outputs
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
 DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
@@ -156,9 +156,10 @@ def _packed(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
 def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
-                     dot_scaled: bool | None = None) -> torch.Tensor:
-    """x [T, H] -> [T, H]. `dot_scaled`: None picks `tl.dot_scaled` for bf16/fp16 activations (unless
-    PEAGLE_MXFP4_DOT=unpack) and the explicit decode otherwise; True/False force one (tests)."""
+                     dot_scaled: bool | None = None, reduce: bool = True) -> torch.Tensor:
+    """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`kernels.moe`). `dot_scaled`: None picks
+    `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
+    otherwise; True/False force one (tests)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
@@ -169,7 +170,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     E, two_i, _ = w1_shape
     inter = two_i // 2
     if T == 0:
-        return torch.zeros_like(x)
+        return token_outputs(x.new_zeros(0, H), 0, top_k, reduce)
     x = x if x.stride(-1) == 1 else x.contiguous()
     w1_blocks, w1_scales = _packed(w1_blocks, w1_scales)
     w2_blocks, w2_scales = _packed(w2_blocks, w2_scales)
@@ -192,7 +193,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
         h, w2_blocks, w2_scales, b2, r.gates, y, r.order, r.offsets, E, H, inter,
         h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
         b2.stride(0), y.stride(0), BLOCK_N=tiles.down_n, **common)
-    return y.view(T, top_k, H).sum(1)  # torch accumulates bf16 sums in fp32
+    return token_outputs(y, T, top_k, reduce)
 
 
 __all__ = ["moe_mxfp4_triton", "DOT_MODE"]

@@ -5,6 +5,11 @@ One program per row holds the whole row in registers (BLOCK = next power of two 
 launch where PyTorch runs ten in bf16 (the add, x.float(), pow, mean, + eps, rsqrt, two products,
 weight.float(), the cast back).
 
+Summands x [..., S, H] (S a constexpr: the MoE's top_k, fixed per model) are loaded S rows at a time and
+added in fp32 in order s = 0..S-1, then rounded to x's dtype once: what `x.sum(-2)` stores. PyTorch's CPU
+sum adds in the same order for S <= 4 (fp32 bit-identical); for bf16/fp16 summands of similar magnitude the
+fp32 sum is exact, so order is moot and the GPU result equals PyTorch's reduce bit for bit.
+
 The sum is rounded to the residual's dtype before the norm reads it, as the reference reads the stored
 `x + residual`, so the new residual is bit-identical to PyTorch's add. The norm itself differs from the
 reference only by summation order (and the GPU's rsqrt): ~1e-7 relative in fp32, at most one rounding
@@ -16,50 +21,67 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm import is_summands
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
-                         stride_x, stride_res, stride_out,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         stride_x, stride_xs, stride_res, stride_out,
+                         S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+    x_row = x_ptr + row * stride_x + cols
+    x = tl.load(x_row, mask=inside, other=0.0).to(tl.float32)
+    if S > 1:  # summands: fp32 sum in order, rounded once to x's dtype (what `x.sum(-2)` stores)
+        for s in tl.static_range(1, S):
+            x += tl.load(x_row + s * stride_xs, mask=inside, other=0.0).to(tl.float32)
+        x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * stride_res + cols, mask=inside, other=0.0).to(tl.float32)
-        s = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_out + cols, s, mask=inside)
-        x = s.to(tl.float32)
+    if STORE_RESIDUAL:  # a residual was added, or summands were summed: the new residual is a new row
+        stored = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_out + cols, stored, mask=inside)
+        x = stored.to(tl.float32)
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)  # padding lanes are 0: they add nothing
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * (x * r)).to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual) for x [..., H]; a None residual returns x itself as the new residual."""
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                        summands: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) for x [..., H], or for summands x [..., S, H] (`kernels.norm`); a None residual
+    returns x itself as the new residual (the sum of the summands when S > 1)."""
     H = x.shape[-1]
     if weight.shape != (H,):
         raise ValueError(f"weight must be [{H}], got {tuple(weight.shape)}")
-    if residual is not None and residual.shape != x.shape:
+    S = 1
+    if is_summands(x, residual, summands):
+        S = x.shape[-2]
+        if S == 1:  # a single summand is the row itself: the plain kernel, no copy without a residual
+            x = x.select(-2, 0)
+    elif residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    shape = x.shape if S == 1 else x.shape[:-2] + x.shape[-1:]
     dtype = x.dtype if residual is None else torch.result_type(x, residual)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    new_residual = x if residual is None else torch.empty_like(out)
+    out = torch.empty(shape, dtype=dtype, device=x.device)
+    new_residual = x if residual is None and S == 1 else torch.empty_like(out)
     rows = out.numel() // H if H else 0
     if rows == 0:
         return out, new_residual
-    x2 = _rows(x, H)
+    x2 = _rows(x, H) if S == 1 else _rows(x, S, H)
     res2 = _rows(residual, H) if residual is not None else x2  # unread without a residual
     block = triton.next_power_of_2(H)
     _add_rms_norm_kernel[(rows,)](x2, res2, weight.contiguous(), out, new_residual, H, float(eps),
-                                  x2.stride(0), res2.stride(0), H,
-                                  HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                  x2.stride(0), x2.stride(1) if S > 1 else 0, res2.stride(0), H,
+                                  S=S, HAS_RESIDUAL=residual is not None,
+                                  STORE_RESIDUAL=residual is not None or S > 1, BLOCK=block,
                                   num_warps=min(max(block // 512, 1), 8))
     return out, new_residual
 
 
-def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
-    """t as [rows, H] with unit column stride (a view for the usual contiguous or row-sliced tensors)."""
-    t = t.reshape(-1, H)
-    return t if t.stride(1) == 1 else t.contiguous()
+def _rows(t: torch.Tensor, *inner: int) -> torch.Tensor:
+    """t as [rows, *inner] with unit last stride (a view for the usual contiguous or row-sliced tensors)."""
+    t = t.reshape(-1, *inner)
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,22 +1,30 @@
-"""Triton MoE routing: top-k + softmax over the router logits (+ the sort of the pairs by expert), one launch.
+"""Triton MoE routing: the router logits, top-k + softmax over them and the sort of the pairs by expert.
 
-Same signature and semantics as `kernels.moe.route_ref`: logits = x @ router_w^T + router_b, computed by
-the same `F.linear` as the reference (so both pick from identical logits), then the top k by value in
-descending order (ties: the lowest expert index first) and gates = softmax over those k logits in fp32,
-stored in x.dtype. PyTorch spends four launches after the GEMV on this (topk's sort and gather, softmax,
-the pair sort); at decode sizes each costs more than its arithmetic.
+Same signature and semantics as `kernels.moe.route_ref`: logits = x @ router_w^T + router_b in x.dtype, then
+the top k by value in descending order (ties: the lowest expert index first) and gates = softmax over those k
+logits in fp32, stored in x.dtype.
 
-Why the GEMV stays in cuBLAS: a first version computed the logits inside this kernel, one program per 64
-tokens so that the router weight streams once. On an H200 that program read the 184 KB weight of
-GPT-OSS-20B at ~13 GB/s (14.7 us a layer in an H200 profile not kept, as slow as the PyTorch launches it
-replaced); one SM
-cannot keep enough loads in flight. cuBLAS spreads the GEMV over the whole GPU.
+Decode and verify sizes (up to 64 tokens, when one program can also hold the counting sort of the T*k
+(token, expert) pairs: `one_launch`) take one launch, logits included: `_logits_route_kernel`. The path it
+replaces took three at batch size 1 (cuBLAS's split-K GEMV and its reduce, then top-k and sort: ~9.7 us a
+GPT-OSS-20B layer on an H200) to read a 184 KB weight. The logits must come from many programs: a first
+version computed them inside the single routing program, which streamed the weight at ~13 GB/s (14.7 us a
+layer). So the grid is (expert blocks, hidden slices): a program sums x[t, h] * w[e, h] over its slice for
+every token and its BLOCK_E experts (fp32) and stores the partial sums to a scratch buffer. Then it counts
+itself done on a per-device counter (`tl.atomic_add`, acq_rel, after a barrier so that every thread's
+stores precede the release). The program that arrives last sees every partial sum: it resets the counter to 0
+for the next launch (CUDA-graph replays included), adds the slices in a fixed order (deterministic) and the
+bias, rounds once to x.dtype (as cuBLAS does: the logits have the reference's dtype, though the summation
+order differs, so a logit can land one rounding step away from the reference's), and runs top-k, softmax and
+sort over the whole batch. The first call on a device must run outside CUDA-graph capture (it allocates the
+counter).
 
-A program owns BLOCK_T tokens and all experts: k rounds of row max + lowest-index argmax + mask pick
-the experts, and a softmax over the k picked values gives the gates. Up to 64 tokens (decode and verify)
-one program holds the whole batch and can also do the MoE's counting sort of the T*k (token, expert)
-pairs by expert (`counting_sort`, shared with `kernels.triton_moe`): `route_and_sort_pairs`.
-No host sync anywhere: CUDA-graph capturable.
+Larger batches, or a sort too large for one program (E = 128 above 32 tokens at k = 4), take the router
+linear from cuBLAS (`F.linear`, the reference's), then `_route_kernel` (BLOCK_T tokens a program, no sort).
+
+Top-k and softmax (`_pick_and_store`, shared by both kernels): k rounds of row max + lowest-index argmax +
+mask pick the experts, and a softmax over the k picked values gives the gates; the sort is `counting_sort`,
+shared with `kernels.triton_moe`. No host sync anywhere: CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -26,6 +34,18 @@ import triton.language as tl
 
 # Largest counting-sort one-hot matrix (EXPERTS_PAD x PAIRS_PAD int32) kept in one program's registers.
 SORT_MAX_ELEMS = 32768
+# Decode and verify sizes: up to this many tokens one program holds the batch (and the one-launch path runs).
+ONE_PROGRAM_TOKENS = 64
+# One-launch path. Expert blocks: about LOGIT_PROGRAMS (one expert each for GPT-OSS-20B's 32, four each for
+# 120B's 128), times `logit_splits` hidden slices. A program holds LOGIT_TILE fp32 products, 16 a thread at
+# 16 warps. ptxas (sm_90, bf16, k = 4): 40-62 registers for E = 32 up to T = 17, 97-101 for E = 128 up to
+# T = 8; at the 128-register cap (16 warps) an 8-byte spill outside the loop at E = 32, T = 64, and the sort's
+# spills at E = 128, T = 32 (which the single routing program had at 8 warps too).
+LOGIT_PROGRAMS = 32
+LOGIT_TILE = 8192
+LOGIT_WARPS = 16
+LOGIT_SLICE_BYTES = 32 * 1024
+LOGIT_PARTIAL_BYTES = 32 * 1024
 
 
 @triton.jit
@@ -48,15 +68,24 @@ def counting_sort(expert, pair, order_ptr, offsets_ptr, num_pairs, num_experts, 
 
 
 @triton.jit
-def _route_kernel(logits_ptr, gates_ptr, experts_ptr, order_ptr, offsets_ptr, num_tokens, num_experts, stride_lt,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                  SORT: tl.constexpr, SORT_E_PAD: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _load_logits(logits_ptr, rows, num_tokens, num_experts, stride_lt, E_PAD: tl.constexpr,
+                 CACHE: tl.constexpr):
+    """fp32 logits [BLOCK_T, E_PAD] of `rows`, zeros in padding rows and columns."""
+    cols = tl.arange(0, E_PAD)
+    mask = (rows < num_tokens)[:, None] & (cols < num_experts)[None, :]
+    return tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :], mask=mask, other=0.0,
+                   cache_modifier=CACHE).to(tl.float32)
+
+
+@triton.jit
+def _pick_and_store(logits, rows, gates_ptr, experts_ptr, order_ptr, offsets_ptr, num_tokens, num_experts,
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                    SORT: tl.constexpr, SORT_E_PAD: tl.constexpr):
+    """Top-k + softmax of fp32 logits [BLOCK_T, E_PAD] (tokens `rows`), stored as pairs t*k + j; with SORT
+    (only when `rows` are every token) also the counting sort of the pairs by expert."""
     row_ok = rows < num_tokens
     cols = tl.arange(0, E_PAD)  # experts
     col_ok = cols < num_experts
-    logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_lt + cols[None, :],
-                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
 
     # Top-k: k rounds of (max, lowest expert holding it, take it). `free` rather than overwriting taken
     # logits with -inf, so a row whose logits are all -inf still picks k distinct experts. Padding rows
@@ -80,10 +109,108 @@ def _route_kernel(logits_ptr, gates_ptr, experts_ptr, order_ptr, offsets_ptr, nu
     tl.store(gates_ptr + pair, gates.to(gates_ptr.dtype.element_ty), mask=pair_ok)
     tl.store(experts_ptr + pair, picks.to(experts_ptr.dtype.element_ty), mask=pair_ok)
 
-    if SORT:  # only launched with a single program holding every token
+    if SORT:
         expert = tl.where(pair_ok, picks, SORT_E_PAD)  # padding rows and slots sort nowhere
         counting_sort(tl.reshape(expert, [BLOCK_T * K_PAD]), tl.reshape(pair, [BLOCK_T * K_PAD]),
                       order_ptr, offsets_ptr, num_tokens * TOP_K, num_experts, SORT_E_PAD)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, gates_ptr, experts_ptr, num_tokens, num_experts, stride_lt,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Routing of BLOCK_T tokens from precomputed logits [T, E] (batches too large for one launch; no sort)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    logits = _load_logits(logits_ptr, rows, num_tokens, num_experts, stride_lt, E_PAD, "")
+    _pick_and_store(logits, rows, gates_ptr, experts_ptr, gates_ptr, gates_ptr, num_tokens, num_experts,  # no sort:
+                    TOP_K, K_PAD, E_PAD, BLOCK_T, False, 1)  # order/offsets unused
+
+
+@triton.jit
+def _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
+                    LOGIT_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """partial[s, t, e] = sum of x[t, h] * w[e, h] over the hidden slice s = program_id(1), in fp32, for every
+    token t and the BLOCK_E experts e of program_id(0).
+
+    Tile rows are the (token, expert) pairs, so x and w load as 2-D tiles in one layout (contiguous along h:
+    vectorised, and no layout conversion in the loop, which a [T, E, H] broadcast product needed); a row of w
+    repeats for every token and of x for every expert, reloads that hit L1. Products accumulate elementwise and
+    are reduced across threads once, after the loop, so an iteration is only loads and FMAs; it is unrolled
+    twice, so two chunks' loads are in flight at once."""
+    split = tl.program_id(1)
+    pair = tl.arange(0, LOGIT_T * BLOCK_E)
+    tok = pair // BLOCK_E
+    exp = tl.program_id(0) * BLOCK_E + pair % BLOCK_E
+    pair_ok = (tok < num_tokens) & (exp < num_experts)
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+    w_rows = w_ptr + exp.to(tl.int64)[:, None] * stride_we
+    hs = tl.arange(0, BLOCK_H)
+    h_start = split * slice_len
+    h_end = tl.minimum(h_start + slice_len, hidden)
+    acc = tl.zeros([LOGIT_T * BLOCK_E, BLOCK_H], tl.float32)
+    for h0 in tl.range(h_start, h_end, BLOCK_H, loop_unroll_factor=2):
+        mask = pair_ok[:, None] & (h0 + hs < h_end)[None, :]
+        x = tl.load(x_rows + (h0 + hs)[None, :], mask=mask, other=0.0)
+        w = tl.load(w_rows + (h0 + hs)[None, :], mask=mask, other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)
+    tl.store(partial_ptr + (split * num_tokens + tok) * num_experts + exp, tl.sum(acc, 1), mask=pair_ok)
+
+
+@triton.jit
+def _sum_partials(partial_ptr, b_ptr, rows, num_tokens, num_experts, LOGIT_DTYPE: tl.constexpr,
+                  SPLITS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """fp32 logits [BLOCK_T, E_PAD] of `rows`: the SPLITS partial sums (in a fixed order: deterministic) plus
+    the bias, rounded once to LOGIT_DTYPE (x.dtype, as cuBLAS rounds). Loaded .cg, from L2: other programs
+    wrote them, and this SM's L1 may hold lines of the scratch buffer from an earlier launch."""
+    cols = tl.arange(0, E_PAD)
+    col_ok = cols < num_experts
+    mask = (rows < num_tokens)[:, None] & col_ok[None, :]
+    acc = tl.zeros([BLOCK_T, E_PAD], tl.float32)
+    for split in tl.static_range(SPLITS):
+        at = (split * num_tokens + rows)[:, None] * num_experts + cols[None, :]
+        acc += tl.load(partial_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+    bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return (acc + bias[None, :]).to(LOGIT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _logits_route_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, gates_ptr, experts_ptr, order_ptr,
+                         offsets_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
+                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                         SORT: tl.constexpr, SORT_E_PAD: tl.constexpr, LOGIT_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
+    """The one-launch path (every token fits BLOCK_T): each program sums its experts' logits over its hidden
+    slice; the last one to finish completes the logits and routes (and sorts) the whole batch."""
+    _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
+                    LOGIT_T, BLOCK_E, BLOCK_H)
+    # Every thread's stores precede the barrier, the barrier precedes the release (one thread's atomic): the
+    # program that acquires the final count sees every program's partial sums.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.store(counter_ptr, 0)  # the next launch counts from 0 (the kernel boundary orders it)
+        rows = tl.arange(0, BLOCK_T)
+        logits = _sum_partials(partial_ptr, b_ptr, rows, num_tokens, num_experts, x_ptr.dtype.element_ty,
+                               SPLITS, E_PAD, BLOCK_T)
+        _pick_and_store(logits, rows, gates_ptr, experts_ptr, order_ptr, offsets_ptr, num_tokens, num_experts,
+                        TOP_K, K_PAD, E_PAD, BLOCK_T, SORT, SORT_E_PAD)
+
+
+# Per device, the arrival counter of `_logits_route_kernel`: 0 between launches, since the program that
+# finishes a launch resets it. One per device suffices because launches on a stream run one after another
+# (two streams routing at once on one device would share it; the engine runs its forwards on one stream).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counter(device: torch.device) -> torch.Tensor:
+    counter = _COUNTERS.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Zeroed inside a capture, it would hold garbage for eager calls (the graph's memset runs only
+            # on replay). The engine warms every graph up eagerly before capturing it.
+            raise RuntimeError("route: the first Triton routing call on a device must run outside CUDA-graph "
+                               "capture (warm up first)")
+        counter = _COUNTERS[device] = torch.zeros(1, device=device, dtype=torch.int32)
+    return counter
 
 
 def route_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int
@@ -101,6 +228,21 @@ def route_and_sort_pairs(x: torch.Tensor, router_w: torch.Tensor, router_b: torc
     return _route(x, router_w, router_b, top_k, sort=True)
 
 
+def _tiles(T: int, E: int, top_k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, E_PAD, K_PAD, SORT_E_PAD) of the routing programs."""
+    block_t = max(16, triton.next_power_of_2(T)) if T <= ONE_PROGRAM_TOKENS else ONE_PROGRAM_TOKENS
+    sort_e_pad = triton.next_power_of_2(E + 1)  # room for the padding sentinel
+    return block_t, max(16, triton.next_power_of_2(E)), triton.next_power_of_2(top_k), sort_e_pad
+
+
+def one_launch(T: int, E: int, top_k: int) -> bool:
+    """Whether T tokens route in one launch, logits included (and `route_and_sort_pairs` sorts the pairs in it):
+    one program holds every token and the sort's one-hot. GPT-OSS (k = 4): E = 32 up to 64 tokens, E = 128 up
+    to 32."""
+    block_t, _, k_pad, sort_e_pad = _tiles(T, E, top_k)
+    return 0 < T <= block_t and block_t * k_pad * sort_e_pad <= SORT_MAX_ELEMS
+
+
 def _route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int, sort: bool
            ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     T, H = x.shape
@@ -114,24 +256,58 @@ def _route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_
     experts = torch.empty(T, top_k, device=x.device, dtype=torch.int64)  # torch.topk's index dtype
     if T == 0:
         return gates, experts, None
-    logits = torch.nn.functional.linear(x, router_w, router_b)  # [T, E] in x.dtype, as in route_ref
 
-    e_pad, k_pad = max(16, triton.next_power_of_2(E)), triton.next_power_of_2(top_k)
-    sort_e_pad = triton.next_power_of_2(E + 1)  # room for the padding sentinel
-    block_t = max(16, triton.next_power_of_2(T)) if T <= 64 else 64  # up to 64 tokens: one program
+    block_t, e_pad, k_pad, sort_e_pad = _tiles(T, E, top_k)
+    if not one_launch(T, E, top_k):
+        logits = torch.nn.functional.linear(x, router_w, router_b)  # [T, E] in x.dtype, as in route_ref
+        # 8 warps for large tiles: the rule from when this kernel also sorted at decode sizes, kept as it was
+        num_warps = 8 if block_t * max(e_pad, k_pad * sort_e_pad) > 4096 else 4
+        _route_kernel[(triton.cdiv(T, block_t),)](logits, gates, experts, T, E, logits.stride(0), TOP_K=top_k,
+                                                  K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, num_warps=num_warps)
+        return gates, experts, None
+
     sorted_pairs = None
     order = offsets = experts  # unread unless sorting
-    if sort and T <= block_t and block_t * k_pad * sort_e_pad <= SORT_MAX_ELEMS:
+    if sort:
         order = torch.empty(T * top_k, device=x.device, dtype=torch.int32)
         offsets = torch.empty(E + 1, device=x.device, dtype=torch.int32)
         sorted_pairs = (order, offsets)
-    # 8 warps once the logits or the sort's one-hot would crowd 4 warps' registers
-    num_warps = 8 if block_t * max(e_pad, k_pad * sort_e_pad) > 4096 else 4
-    _route_kernel[(triton.cdiv(T, block_t),)](
-        logits, gates, experts, order, offsets, T, E, logits.stride(0),
-        TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, SORT=sorted_pairs is not None,
-        SORT_E_PAD=sort_e_pad, num_warps=num_warps)
+    _launch_one(x, router_w, router_b, gates, experts, order, offsets,
+                dict(TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, SORT=sort, SORT_E_PAD=sort_e_pad))
     return gates, experts, sorted_pairs
 
 
-__all__ = ["route_triton", "route_and_sort_pairs", "counting_sort", "SORT_MAX_ELEMS"]
+def _launch_one(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, gates: torch.Tensor,
+                experts: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, meta: dict) -> None:
+    """`_logits_route_kernel` over (expert blocks, hidden slices). The products tile is LOGIT_T * BLOCK_E by
+    BLOCK_H (LOGIT_T: T rounded up to a power of 2; BLOCK_T's 16 would only shrink BLOCK_H at T = 1): at
+    T = 1 a whole 2880-wide row of x and of w loads at once."""
+    T, H = x.shape
+    E = router_w.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    router_w = router_w if router_w.stride(-1) == 1 else router_w.contiguous()
+    router_b = router_b.contiguous()
+    logit_t = triton.next_power_of_2(T)
+    block_e = triton.next_power_of_2(triton.cdiv(E, LOGIT_PROGRAMS))
+    splits = logit_splits(T, E, H, x.element_size())
+    slice_len = triton.cdiv(triton.cdiv(H, splits), 16) * 16  # 16-aligned slices keep the loads vectorised
+    splits = triton.cdiv(H, slice_len)
+    block_h = min(triton.next_power_of_2(slice_len), max(16, LOGIT_TILE // (logit_t * block_e)))
+    partial = torch.empty(splits, T, E, device=x.device, dtype=torch.float32)  # scratch
+    _logits_route_kernel[(triton.cdiv(E, block_e), splits)](
+        x, router_w, router_b, partial, _arrival_counter(x.device), gates, experts, order, offsets,
+        T, E, H, slice_len, x.stride(0), router_w.stride(0),
+        **meta, LOGIT_T=logit_t, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits, num_warps=LOGIT_WARPS)
+
+
+def logit_splits(T: int, E: int, H: int, elem_bytes: int) -> int:
+    """Hidden slices of the one-launch path. Every expert block reads all of x, so unsplit a program would
+    stream T*H elements of x (368 KB at T = 64, twice the 20B router weight): slices keep that near
+    LOGIT_SLICE_BYTES, as long as the finishing program's read of the fp32 partial sums (slices*T*E*4 bytes)
+    stays within LOGIT_PARTIAL_BYTES. One slice at T = 1."""
+    want = triton.cdiv(T * H * elem_bytes, LOGIT_SLICE_BYTES)
+    return max(1, min(want, LOGIT_PARTIAL_BYTES // (T * E * 4), triton.cdiv(H, 16)))
+
+
+__all__ = ["route_triton", "route_and_sort_pairs", "one_launch", "logit_splits", "counting_sort",
+           "SORT_MAX_ELEMS"]

@@ -1,6 +1,8 @@
-"""Triton paged attention and KV write equal their PyTorch references.
+"""Triton paged attention and KV write (alone, and fused with the rotary embedding) equal their PyTorch references.
 
-CPU: Triton's interpreter, fp32, atol = rtol = 1e-4 (differences are summation order only).
+CPU: Triton's interpreter, fp32, atol = rtol = 1e-4 (differences are summation order only). The fused rope + KV
+write is exact: its rotation equals apply_rope's kernel bit for bit and its cache stores equal write_kv_ref's of
+that rotation (in fp32 also the whole reference; in bf16 the interpreter truncates where PyTorch rounds).
 GPU (skipped here): compiled kernels in bf16 against the fp32 reference on the same inputs.
 """
 from __future__ import annotations
@@ -11,8 +13,10 @@ import pytest
 import torch
 
 from kernel_utils import triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.attention import attend, paged_attention, paged_attention_ref, varlen_attention, write_kv, write_kv_ref
-from kernels.dispatch import use_triton
+from kernels.attention import attend, paged_attention, paged_attention_ref, varlen_attention, write_kv_ref
+from kernels.dispatch import set_triton_enabled, use_triton
+from kernels.rope import apply_rope, rope_write_kv, rope_write_kv_ref
+from peagle_core.models.layers import Attention, ForwardMeta, Rotary
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -116,27 +120,90 @@ def test_paged_attention_rejects_bad_shapes(triton_interpret):
         paged_attention(*b.args(None, None, 0.25)[:5], b.query_start_loc[:1], b.positions, None, None, 0.25)
 
 
-@pytest.mark.parametrize("hkv,d,page", [(2, 16, 16), (3, 32, 32), (1, 64, 16)])
-def test_write_kv_matches_reference(triton_interpret, hkv, d, page):
-    T, num_pages = 11, 4
-    g = torch.Generator().manual_seed(hkv)
-    # Non-contiguous k/v (a slice of a fused projection) to exercise the strides.
-    kv = torch.randn(T, 2 * hkv, d + 3, generator=g)
-    k, v = kv[:, :hkv, :d], kv[:, hkv:, 1:d + 1]
+# --------------------------------------------------------------------------------------------
+# rope_write_kv: rotation of q and k and the paged K/V store in one launch
+# --------------------------------------------------------------------------------------------
+
+SENTINEL = -7.0  # what the caches hold before the write: a stray store shows
+
+
+def _rope_kv_inputs(g: torch.Generator, T: int, hq: int, hkv: int, d: int, dtype, cache_dtype, page: int = 16,
+                    num_pages: int = 5):
+    """q, k, v as views of one fused projection output (as the model makes them), cos/sin from `Rotary`, slots
+    a random choice of the flat cache rows with -1 holes, and sentinel-filled caches."""
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = (t.view(T, h, d) for t, h in zip(qkv.split([hq * d, hkv * d, hkv * d], dim=-1), (hq, hkv, hkv)))
+    rotary = Rotary([1.0 / 150000 ** (2 * j / d) for j in range(d // 2)], attention_factor=1.3)
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (T,), generator=g), dtype)
     slots = torch.randperm(num_pages * page, generator=g)[:T]
-    slots[[1, 4, 5]] = -1  # padding / rejected tokens
-    caches = [torch.randn(num_pages, page, hkv, d, generator=g) for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    write_kv_ref(k, v, *expected, slots)
-    write_kv(k, v, *caches, slots)  # through the dispatcher
+    slots[torch.rand(T, generator=g) < 0.3] = -1
+    slots[::4] = -1  # a hole at the start and every few tokens whatever the draw
+    caches = [torch.full((num_pages, page, hkv, d), SENTINEL, dtype=cache_dtype) for _ in range(2)]
+    return q, k, v, cos, sin, caches, slots
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-in-fp32"])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)], ids=["gqa4", "mha"])
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("T", [0, 1, 5, 33])
+def test_rope_write_kv_equals_rope_then_write_kv(triton_interpret, T, hq, hkv, d, dtype, cache_dtype):
+    g = torch.Generator().manual_seed(T * 1000 + hq * 10 + d)
+    q, k, v, cos, sin, caches, slots = _rope_kv_inputs(g, T, hq, hkv, d, dtype, cache_dtype)
+    assert use_triton(q)
+    q_rot, k_rot = rope_write_kv(q, k, v, cos, sin, *caches, slots)  # through the dispatcher
+    want_q, want_k = apply_rope(q, k, cos, sin)  # the separate rope kernel
+    assert q_rot.is_contiguous() and k_rot.is_contiguous()
+    assert torch.equal(q_rot, want_q) and torch.equal(k_rot, want_k)
+    expected = [torch.full_like(c, SENTINEL) for c in caches]
+    write_kv_ref(want_k, v, *expected, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    kept = slots[slots >= 0]
+    for cache in caches:  # guards the oracle: the written rows, and only those, left the sentinel
+        touched = (cache.flatten(0, 1) != SENTINEL).flatten(1).any(1)
+        assert torch.equal(touched.nonzero().flatten().sort().values, kept.sort().values)
+    if dtype == torch.float32:  # fp32: the interpreter rounds as PyTorch does, so the whole reference holds too
+        ref_caches = [torch.full_like(c, SENTINEL) for c in caches]
+        ref = rope_write_kv_ref(q, k, v, cos, sin, *ref_caches, slots)
+        assert torch.equal(q_rot, ref[0]) and torch.equal(k_rot, ref[1])
+        assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
 
 
-def test_write_kv_rejects_bad_slot_mapping(triton_interpret):
-    k = torch.randn(3, 2, 16)
-    cache = torch.zeros(2, 16, 2, 16)
+def test_rope_write_kv_rejects_bad_slot_mapping(triton_interpret):
+    g = torch.Generator().manual_seed(0)
+    q, k, v, cos, sin, caches, slots = _rope_kv_inputs(g, 3, 4, 2, 16, torch.float32, torch.float32)
     with pytest.raises(ValueError, match="slot_mapping"):
-        write_kv(k, k, cache, cache.clone(), torch.zeros(2, dtype=torch.long))
+        rope_write_kv(q, k, v, cos, sin, *caches, slots[:2])
+
+
+def test_paged_attention_layer_with_fused_rope_write_matches_the_references(triton_interpret):
+    """The wiring in `Attention.forward`'s paged path: kernels on (interpreted) and off give the same caches, bit
+    for bit, and the same output. Two requests (a prefill from 0, a continuation over cached keys) and a padding
+    token (slot -1)."""
+    torch.manual_seed(0)
+    hq, hkv, d, page = 4, 2, 16, 16
+    rotary = Rotary([1.0 / 10000 ** (2 * j / d) for j in range(d // 2)])
+    attn = Attention(32, 32, hq, hkv, d, bias=True, sinks=True, sliding_window=None, rotary=rotary).eval()
+    attn.pack_qkv()
+    block_tables = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32)
+    positions = torch.cat([torch.arange(5), torch.arange(20, 23), torch.zeros(1, dtype=torch.long)])
+    rows = torch.cat([torch.zeros(5, dtype=torch.long), torch.ones(3, dtype=torch.long)])
+    slots = torch.cat([block_tables[rows, positions[:8] // page].long() * page + positions[:8] % page,
+                       torch.tensor([-1])])
+    meta = ForwardMeta(positions=positions, query_start_loc=torch.tensor([0, 5, 8], dtype=torch.int32),
+                       seq_lens=torch.tensor([5, 23], dtype=torch.int32), slot_mapping=slots, block_tables=block_tables)
+    x, cache = torch.randn(9, 32), torch.randn(2, 5, page, hkv, d)  # cache: keys of request 1's first 20 positions
+    outs = {}
+    with torch.no_grad():
+        for kernels_on in (True, False):
+            set_triton_enabled(kernels_on)
+            attn.kv_cache = tuple(cache.clone())
+            with rotary.once_for(positions, x.dtype):
+                outs[kernels_on] = (attn(x, meta), *attn.kv_cache)
+    set_triton_enabled(True)  # the fixture restores the previous setting
+    torch.testing.assert_close(outs[True][0], outs[False][0], **TOL)
+    assert torch.equal(outs[True][1], outs[False][1]) and torch.equal(outs[True][2], outs[False][2])
+    assert not torch.equal(outs[True][1], cache[0])  # the layer did write
 
 
 @pytest.mark.gpu
@@ -157,27 +224,30 @@ def test_paged_attention_bf16_cuda(triton_cuda, requests, hq, hkv, d, page, wind
 
 
 @pytest.mark.gpu
-def test_write_kv_bf16_cuda(triton_cuda):
-    k, v = torch.randn(2, 37, 8, 64, device="cuda", dtype=torch.bfloat16)
-    slots = torch.randperm(64 * 16, device="cuda")[:37]
-    slots[::5] = -1
-    caches = [torch.zeros(64, 16, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-    expected = [c.clone() for c in caches]
-    write_kv_ref(k, v, *expected, slots)
-    write_kv(k, v, *caches, slots)
+def test_rope_write_kv_bf16_cuda(triton_cuda):
+    """Compiled: the rotation bit-identical to the rope-only launch, the caches to `write_kv_ref` of its output."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, cos, sin, caches, slots = (t.cuda() if torch.is_tensor(t) else [c.cuda() for c in t] for t in
+                                        _rope_kv_inputs(g, 37, 64, 8, 64, torch.bfloat16, torch.bfloat16, num_pages=64))
+    q_rot, k_rot = rope_write_kv(q, k, v, cos, sin, *caches, slots)
+    want_q, want_k = apply_rope(q, k, cos, sin)
+    assert torch.equal(q_rot, want_q) and torch.equal(k_rot, want_k)
+    expected = [torch.full_like(c, SENTINEL) for c in caches]
+    write_kv_ref(want_k, v, *expected, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
 @pytest.mark.gpu
 def test_paged_attention_cuda_graph_capture(triton_cuda):
-    """No host sync: write + attention capture into a CUDA graph and replay exactly."""
+    """No host sync: the fused rope + KV write and attention capture into a CUDA graph and replay exactly."""
     b = make_batch(MIXED, 64, 8, 64, 16, device="cuda", dtype=torch.bfloat16)
     k_new = torch.randn(b.q.shape[0], 8, 64, device="cuda", dtype=torch.bfloat16)
+    cos, sin = (torch.randn(b.q.shape[0], 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slots = torch.full((b.q.shape[0],), -1, device="cuda")
     sinks = torch.randn(64, device="cuda")
 
     def step():
-        write_kv(k_new, k_new, b.k_cache, b.v_cache, slots)
+        rope_write_kv(b.q.clone(), k_new, k_new, cos, sin, b.k_cache, b.v_cache, slots)
         return paged_attention(*b.args(sinks, 128, 0.125))
 
     eager = step()

@@ -1,6 +1,7 @@
 """Triton MoE equals the PyTorch reference (routing, interleaved gate/up, clamped SwiGLU, biases).
 
-CPU: Triton's interpreter, fp32, atol = rtol = 1e-4 on outputs of magnitude ~1-10.
+CPU: Triton's interpreter, fp32, atol = rtol = 1e-4 on outputs of magnitude ~1-10; the summands of
+reduce=False add up to the reduced output exactly.
 GPU (skipped here): compiled kernels in bf16 against the fp32 reference on the same inputs.
 """
 from __future__ import annotations
@@ -42,6 +43,21 @@ def test_moe_matches_reference(triton_interpret, T, H, I, E, top_k, limit):
     torch.testing.assert_close(out, ref, **TOL)
 
 
+@pytest.mark.parametrize("T,H,I,E,top_k,limit", [CASES[0], CASES[1], CASES[4]])
+def test_moe_summands_sum_to_the_reduced_output(triton_interpret, T, H, I, E, top_k, limit):
+    """reduce=False: the Triton path's k weighted expert rows per token, unsummed; their torch sum is the reduced
+    output bit for bit (what `add_rms_norm` over summands adds). The reference gives its output as one summand."""
+    p = make_moe(T, H, I, E, seed=T)
+    out = moe(**p, top_k=top_k, alpha=ALPHA, limit=limit)
+    summands = moe(**p, top_k=top_k, alpha=ALPHA, limit=limit, reduce=False)
+    assert summands.shape == (T, top_k, H) and summands.dtype == out.dtype
+    assert torch.equal(summands.sum(1), out)
+    assert not torch.equal(summands[:, 0], out)  # really unsummed
+    ref = moe_ref(**p, top_k=top_k, alpha=ALPHA, limit=limit)
+    ref_summands = moe_ref(**p, top_k=top_k, alpha=ALPHA, limit=limit, reduce=False)
+    assert ref_summands.shape == (T, 1, H) and torch.equal(ref_summands[:, 0], ref)
+
+
 def test_clamp_bites_in_clamped_cases():
     """Guards the oracle: with limit 1.0 the clamps change the activation, so a kernel without
     them (or with gate/up swapped) would fail test_moe_matches_reference."""
@@ -66,6 +82,7 @@ def test_sort_pairs_by_expert(triton_interpret, T, E, k):
 def test_moe_empty_batch(triton_interpret):
     p = make_moe(0, 16, 16, 4)
     assert moe(**p, top_k=2, alpha=ALPHA, limit=7.0).shape == (0, 16)
+    assert moe(**p, top_k=2, alpha=ALPHA, limit=7.0, reduce=False).shape == (0, 2, 16)
 
 
 def test_moe_rejects_bad_shapes(triton_interpret):
@@ -85,6 +102,7 @@ def test_moe_bf16_cuda(triton_cuda, T):
     p = make_moe(T, 2880, 2880, 32, seed=T, device="cuda", dtype=torch.bfloat16)
     out = moe(**p, top_k=4, alpha=ALPHA, limit=7.0)
     assert out.dtype == torch.bfloat16
+    assert torch.equal(moe(**p, top_k=4, alpha=ALPHA, limit=7.0, reduce=False).sum(1), out)
     gates, experts = route(p["x"], p["router_w"], p["router_b"], 4)
     f = {name: t.float() for name, t in p.items()}
     ref = torch.zeros(T, 2880, device="cuda")

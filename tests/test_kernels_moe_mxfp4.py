@@ -105,6 +105,21 @@ def test_ragged_routing_one_hot_expert(mx, T):
                                moe_mxfp4_ref(**p, top_k=2, alpha=ALPHA, limit=7.0), **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)  # explicit decode; tl.dot_scaled
+@pytest.mark.parametrize("T", [1, 37])
+def test_moe_mxfp4_summands_sum_to_the_reduced_output(mx, dtype, T):
+    """reduce=False: the k weighted expert rows per token, unsummed; their torch sum is the reduced output bit for
+    bit. The reference gives its output as one summand."""
+    p = make_packed(T, 64, 96, 6, seed=T, dtype=dtype)
+    out = moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0)
+    summands = moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0, reduce=False)
+    assert summands.shape == (T, 4, 64) and summands.dtype == dtype
+    assert torch.equal(summands.sum(1), out)
+    assert not torch.equal(summands[:, 0], out)  # really unsummed
+    ref = moe_mxfp4_ref(**p, top_k=4, alpha=ALPHA, limit=7.0, reduce=False)
+    assert ref.shape == (T, 1, 64) and torch.equal(ref[:, 0], moe_mxfp4_ref(**p, top_k=4, alpha=ALPHA, limit=7.0))
+
+
 def fp32_oracle(p: dict, top_k: int) -> torch.Tensor:
     """fp32 math on the same (half-precision) inputs, with the routing the half-precision run takes
     (near-ties in the router logits may pick other experts in fp32)."""
@@ -170,6 +185,7 @@ def test_bad_inputs(mx):
     with pytest.raises(ValueError, match="dot_scaled takes bf16 or fp16"):
         mx.moe_mxfp4_triton(**p, top_k=2, alpha=ALPHA, limit=7.0, dot_scaled=True)
     assert moe_mxfp4(**make_packed(0, 64, 32, 4), top_k=2, alpha=ALPHA, limit=7.0).shape == (0, 64)
+    assert moe_mxfp4(**make_packed(0, 64, 32, 4), top_k=2, alpha=ALPHA, limit=7.0, reduce=False).shape == (0, 2, 64)
     with pytest.raises(ValueError, match="multiples of 32"):
         GptOss(tiny_target_config(intermediate_size=48), mxfp4_experts=True)
 
@@ -182,6 +198,8 @@ def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled):
     p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
     out = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled)
     assert out.dtype == torch.bfloat16
+    summands = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled, reduce=False)
+    assert torch.equal(summands.sum(1), out)
     ref = fp32_oracle(p, 4)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
 
@@ -241,6 +259,7 @@ def test_packed_moe_layers_through_triton_match_dequantized(ckpt, mx):
     for a, b in zip(packed.model.layers, dense.model.layers):
         assert use_triton(x)
         got = a.mlp(x)
+        assert torch.equal(a.mlp(x, reduce=False).sum(1), got)  # the summands a layer hands to the next norm
         e = b.mlp.experts
         want = moe_ref(x, b.mlp.router.weight, b.mlp.router.bias, e.w1, e.b1, e.w2, e.b2, 2, ALPHA, 7.0)
         torch.testing.assert_close(got, want, **TOL)

@@ -6,6 +6,8 @@ CPU: Triton's interpreter. Tolerances, Triton against reference:
          fp16: new residual exact, normed within one fp16 step (2^-10 relative);
          bf16: new residual within one bf16 step (2^-7 relative), normed within two (2^-6): the interpreter
                truncates fp32 to bf16 where the GPU and PyTorch round to nearest.
+  norm over MoE summands [T, S, H]: the new residual equals PyTorch's `x.sum(1) + residual` bit for bit in
+         fp32 and fp16, and in bf16 on values where no rounding happens (so truncation cannot differ).
   rope   fp32 and fp16: bit-identical; bf16: within 2^-6 of |x1*cos| + |x2*sin| per element (the interpreter
          truncates each of the three roundings).
 GPU (skipped here): the compiled kernels at GPT-OSS-20B shapes, bf16, where the new residual and the rotation
@@ -69,6 +71,64 @@ def test_add_rms_norm_strided_and_batched_inputs(triton_interpret):
     _assert_norm_close(add_rms_norm(x, residual, weight, 1e-6), add_rms_norm_ref(x, residual, weight, 1e-6))
     x3, r3 = _rand(g, 2, 3, 64), _rand(g, 2, 3, 64)
     _assert_norm_close(add_rms_norm(x3, r3, weight, 1e-6), add_rms_norm_ref(x3, r3, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["no-residual", "residual"])
+@pytest.mark.parametrize("rows,H", [(0, 64), (1, 2880), (7, 37), (3, 100)])
+@pytest.mark.parametrize("S", [1, 2, 4])
+def test_add_rms_norm_over_summands_matches_reference(triton_interpret, S, rows, H, with_residual, dtype):
+    """x [T, S, H] stands for x.sum(1): with a residual the form is read from the shapes, without one it is asked
+    for. The new residual is PyTorch's `x.sum(1) + residual` (fp32 sum, rounded once, then the add)."""
+    g = torch.Generator().manual_seed(rows * 1000 + H + S)
+    x = _rand(g, rows, S, H, dtype=dtype) * 3
+    residual = _rand(g, rows, H, dtype=dtype) if with_residual else None
+    weight = _rand(g, H, dtype=dtype)
+    summands = None if with_residual else True
+    got = add_rms_norm(x, residual, weight, 1e-5, summands=summands)
+    want = add_rms_norm_ref(x, residual, weight, 1e-5, summands=summands)
+    pytorch = x.sum(1) if residual is None else x.sum(1) + residual
+    assert torch.equal(want[1], pytorch)
+    if dtype != torch.bfloat16:
+        _assert_norm_close(got, want)
+        assert torch.equal(got[1], pytorch)
+        return
+    # bf16: the interpreter truncates the sum and the add, each within one step (2^-7) of what it rounds, so the
+    # new residual is bounded elementwise (cancellation makes a relative check meaningless; the next test is
+    # exact), and the norm is checked on the residual it was given.
+    assert got[0].shape == got[1].shape == (rows, H) and got[1].dtype == dtype
+    bound = 2 ** -7 * (x.sum(1).float().abs() + 2 * pytorch.float().abs())
+    assert ((got[1].float() - pytorch.float()).abs() <= bound).all()
+    _assert_norm_close(got, add_rms_norm_ref(got[1], None, weight, 1e-5))
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["no-residual", "residual"])
+@pytest.mark.parametrize("S", [2, 4])
+def test_add_rms_norm_over_bf16_summands_adds_each_once(triton_interpret, S, with_residual):
+    """bf16, multiples of 1/8 below 2 in magnitude: every sum is exact in bf16, so no rounding (which the
+    interpreter truncates) can hide a summand dropped or added twice; the new residual is PyTorch's bit for bit."""
+    g = torch.Generator().manual_seed(S)
+    grid = lambda *shape: (torch.randint(-16, 16, shape, generator=g) / 8).bfloat16()  # noqa: E731
+    x, weight = grid(5, S, 2880), _rand(g, 2880, dtype=torch.bfloat16)
+    residual = grid(5, 2880) if with_residual else None
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5, summands=True)
+    assert torch.equal(new_residual, x.sum(1) if residual is None else x.sum(1) + residual)
+    torch.testing.assert_close(normed, add_rms_norm_ref(x, residual, weight, 1e-5, summands=True)[0],
+                               rtol=2 ** -6, atol=1e-6)
+
+
+def test_add_rms_norm_summand_form_and_shape_errors(triton_interpret):
+    """A 3-D x alone is rows to normalise (as before summands existed); summands need a residual that drops
+    their S dimension."""
+    g = torch.Generator().manual_seed(2)
+    x, weight = _rand(g, 3, 4, 64), _rand(g, 64)
+    for fn in (add_rms_norm, add_rms_norm_ref):
+        normed, new_residual = fn(x, None, weight, 1e-5)
+        assert normed.shape == (3, 4, 64) and new_residual is x
+        with pytest.raises(ValueError, match="residual of shape"):
+            fn(x, _rand(g, 4, 64), weight, 1e-5, summands=True)
+        with pytest.raises(ValueError, match="S >= 1"):
+            fn(x[:, :0], _rand(g, 3, 64), weight, 1e-5)
 
 
 def test_add_rms_norm_takes_the_reference_when_autograd_records(triton_interpret):
@@ -171,6 +231,28 @@ def test_drafter_carrying_the_residual_equals_the_unfused_forward(norm_before_re
     assert torch.equal(normed, drafter.norm(x + residual))
 
 
+def test_target_moe_sum_folded_into_the_next_norm_changes_nothing(triton_interpret):
+    """Without tensor parallelism each layer hands its MoE's k summands to the next norm (the next layer's or the
+    final one), which adds them. Forced off (an all-reduce that adds nothing, as at TP=1 but not the default
+    function), the MoE sums them itself; the final hidden and aux states (streams entering layers 0 and 1, from
+    summands, and the one before the final norm) are bit-identical (fp32: both add the k rows in order)."""
+    cfg = tiny_target_config(num_local_experts=6, num_experts_per_tok=4)
+    model = init_random_(GptOss(cfg), 0).eval()
+    model.set_aux_layers([0, 1, 3, cfg.num_hidden_layers])
+    ids = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    meta = ForwardMeta.for_sequences([7, 5])
+    shapes = []
+    model.model.layers[0].register_forward_hook(lambda module, args, out: shapes.append(tuple(out[0].shape)))
+    with torch.no_grad():
+        folded = model(ids, meta)
+        for layer in model.model.layers:
+            layer.all_reduce = lambda t: t
+        unfolded = model(ids, meta)
+    assert shapes == [(12, 4, cfg.hidden_size), (12, cfg.hidden_size)]  # summands, then the MoE's own sum
+    for got, want in zip(folded, unfolded):
+        assert torch.equal(got, want)
+
+
 def test_models_with_triton_norm_and_rope_match_the_references(triton_interpret):
     """The wiring: target and drafter forwards with the Triton kernels (interpreted) agree with the references."""
     from kernels.dispatch import set_triton_enabled
@@ -209,3 +291,15 @@ def test_compiled_kernels_bf16_bit_exact_where_pytorch_rounds_once(triton_cuda, 
         assert torch.equal(got, want)
     assert_graph_replays_exactly(lambda: add_rms_norm(x, residual, weight, 1e-5)[0], x)
     assert_graph_replays_exactly(lambda: apply_rope(q, k, cos, sin)[0], q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 37])
+def test_compiled_norm_over_bf16_summands_is_pytorchs_sum(triton_cuda, T):
+    """GPT-OSS-20B's MoE summands (k = 4 rows of 2880): the new residual is PyTorch's `x.sum(1) + residual`."""
+    g = torch.Generator().manual_seed(T)
+    x, residual, weight = (_rand(g, *shape, dtype=torch.bfloat16, device="cuda")
+                           for shape in ((T, 4, 2880), (T, 2880), (2880,)))
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, x.sum(1) + residual)
+    torch.testing.assert_close(normed, add_rms_norm_ref(x, residual, weight, 1e-5)[0], rtol=2 ** -7, atol=1e-6)

@@ -1,14 +1,23 @@
-"""The Triton routing (the reference's router linear, then one launch for top-k + softmax, and the counting
-sort it can fold in) equals the PyTorch reference `route_ref`.
+"""The Triton routing equals the PyTorch reference `route_ref`.
 
-Both sides pick from the same logits (one `F.linear`), so expert ids must be identical except between
-exactly equal logits (torch.topk's order among ties is unspecified; the kernel takes the lowest index).
-CPU: Triton's interpreter.
-  fp32, exact inputs: x and router_w hold multiples of 1/4, the bias distinct multiples of 1/(16E): no two
-        experts of a token tie, so expert ids (and their order) must be identical, gates within 1e-6.
-  fp32 and bf16 Gaussian inputs: ids identical on every token without an exact tie among its top k + 1
-        logits; gates within 1e-6 (fp32) or one bf16 step (the kernel rounds its fp32 softmax once).
-GPU (skipped here): compiled, bf16, GPT-OSS shapes (H = 2880, E = 32 and 128, k = 4), and CUDA-graph capture.
+Two paths (`one_launch` picks): up to 64 tokens, when one program can also sort the pairs, one launch computes
+the logits itself (programs over expert blocks and hidden slices, the last to finish routes and sorts);
+otherwise the reference's router linear, then one launch for top-k + softmax.
+CPU: Triton's interpreter (which casts fp32 to bf16 by truncation where a GPU rounds to nearest).
+  Exact inputs, logits exact whatever the summation order, so the one-launch path's logits equal the
+        reference's bit for bit: fp32 (multiples of 1/4 and distinct bias fractions: no two experts of a
+        token tie, ids and their order identical, gates within 1e-6) and bf16 (a grid of 1/16 within +-16,
+        exact in bf16; ties possible: ids identical on every token without an exact tie among its top k + 1
+        logits, gates within one bf16 step, the kernel rounds its fp32 softmax once).
+  Gaussian inputs: through F.linear (the fallback) both sides pick from the same logits, so the same rule
+        with no tolerance on ties. The one-launch path's own logits differ from the reference's by summation
+        order: fp32 within ~1e-6, so ties within 1e-5 may order either way; bf16 within one bf16 step
+        (2^-7 |logit|; on CPU also the truncating cast), so picks may swap logits within two steps and a gate
+        moves by at most half the largest logit change (softmax's inf-norm Lipschitz constant is 1/2):
+        gates within 2^-6 (|logit| < 8, steps <= 2^-5) plus one bf16 step.
+  The sort of the pairs by expert: exactly `sort_pairs_by_expert` (stable).
+GPU (skipped here): compiled, bf16, GPT-OSS shapes (H = 2880, E = 32 and 128, k = 4), repeated launches
+(the finishing program's reads of the other programs' partial sums), and CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -30,6 +39,17 @@ def exact_inputs(T: int, H: int, E: int, seed: int) -> tuple[torch.Tensor, torch
     return x, w, b
 
 
+def grid_inputs(T: int, H: int, E: int, seed: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, ...]:
+    """Logits on a grid of 1/16 within +-16 (H <= 128), so exact in bf16 and every partial sum exact in fp32:
+    x in {-1, 0, 1}, w in {-1, 0, 1}/16, the bias a multiple of 1/16 within +-8."""
+    assert H <= 128
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-1, 2, (T, H), generator=g).float()
+    w = torch.randint(-1, 2, (E, H), generator=g) / 16
+    b = torch.randint(-128, 129, (E,), generator=g) / 16
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
 def gaussian_inputs(T: int, H: int, E: int, seed: int, dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     x, w, b = torch.randn(T, H, generator=g), torch.randn(E, H, generator=g) * H ** -0.5, torch.randn(E, generator=g)
@@ -37,14 +57,16 @@ def gaussian_inputs(T: int, H: int, E: int, seed: int, dtype=torch.float32, devi
 
 
 def assert_valid_routing(gates, experts, x, w, b, top_k, tie_rtol: float, tie_atol: float, gate_tol: float,
-                         min_clear: float) -> None:
+                         min_clear: float, max_logit: float = float("inf")) -> None:
     """The kernel's picks are a top-k of the reference logits up to near-ties (two logits within
     tie_atol + tie_rtol * |logit|, which the kernel's own rounding may order the other way), in descending
     order, distinct per token, and its gates are the softmax of the reference logits it picked. Ids and
     gates must be the reference's on every token whose top k+1 logits are further apart than that
-    (at least `min_clear` of the tokens: not a vacuous comparison)."""
+    (at least `min_clear` of the tokens: not a vacuous comparison). `max_logit`: the tolerances assume
+    smaller logits."""
     ref_gates, ref_experts = route_ref(x, w, b, top_k)
     logits = torch.nn.functional.linear(x, w, b).float()  # rounded to x.dtype first, as the kernel does
+    assert logits.abs().max() < max_logit
     want = logits.topk(top_k, dim=-1).values
     picked = logits.gather(-1, experts)
     assert gates.dtype == x.dtype and experts.dtype == torch.int64
@@ -62,6 +84,11 @@ def assert_valid_routing(gates, experts, x, w, b, top_k, tie_rtol: float, tie_at
 
 # Same logits on both sides: only exact ties may order differently; gates within one bf16 step (2^-8 at 1).
 BF16 = dict(tie_rtol=0, tie_atol=0, gate_tol=2 ** -8, min_clear=0.5)
+FP32 = dict(tie_rtol=0, tie_atol=0, gate_tol=1e-6, min_clear=0.9)
+# The one-launch path's own logits (summation order; see the module docstring). Among 128 bf16 logits, two
+# of a token's top five are often within two steps: fewer tokens are clear.
+BF16_OWN = dict(tie_rtol=2 ** -6, tie_atol=0, gate_tol=2 ** -8 + 2 ** -6, min_clear=0.25, max_logit=8.0)
+FP32_OWN = dict(tie_rtol=0, tie_atol=1e-5, gate_tol=1e-6, min_clear=0.9)
 
 
 SHAPES = [  # (T, H, E, k): decode (one program, sort folded in), verify, prefill (several programs)
@@ -96,15 +123,17 @@ def test_route_exact_inputs(triton_interpret, T, H, E, k):
 def test_route_gaussian_inputs(triton_interpret, T, H, E, k):
     x, w, b = gaussian_inputs(T, H, E, seed=T + E)
     gates, experts = route(x, w, b, k)
-    assert_valid_routing(gates, experts, x, w, b, k, tie_rtol=0, tie_atol=0, gate_tol=1e-6, min_clear=0.9)
+    own = triton_interpret.routing.one_launch(T, E, k)
+    assert_valid_routing(gates, experts, x, w, b, k, **(FP32_OWN if own else FP32))
 
 
-@pytest.mark.parametrize("T,E", [(3, 32), (70, 128)])
+@pytest.mark.parametrize("T,E", [(3, 32), (32, 128), (64, 32), (70, 128)])
 def test_route_bf16_interpreted(triton_interpret, T, E):
-    """bf16 logits under the interpreter."""
+    """bf16 logits under the interpreter: the kernel's own (T <= 64 here) or the reference's (T = 70)."""
     x, w, b = gaussian_inputs(T, 64, E, seed=T, dtype=torch.bfloat16)
     gates, experts = route(x, w, b, 4)
-    assert_valid_routing(gates, experts, x, w, b, 4, **BF16)
+    own = triton_interpret.routing.one_launch(T, E, 4)
+    assert_valid_routing(gates, experts, x, w, b, 4, **(BF16_OWN if own else BF16))
 
 
 def test_ties_take_the_lowest_expert(triton_interpret):
@@ -149,13 +178,112 @@ def test_sort_folded_into_routing(triton_interpret, T, E, k, folded):
     want_gates, want_experts = route_ref(x, w, b, k)
     assert torch.equal(experts, want_experts)
     torch.testing.assert_close(gates, want_gates, atol=1e-6, rtol=0)
+    assert (sorted_pairs is not None) == folded == triton_interpret.routing.one_launch(T, E, k)
+    if folded:
+        assert_sorted_pairs(triton_interpret, sorted_pairs, experts, E)
+
+
+def assert_sorted_pairs(kernels, sorted_pairs, experts: torch.Tensor, E: int) -> None:
+    """(order, offsets) are exactly the stable counting sort of the pairs by expert."""
+    order, offsets = sorted_pairs
+    want_order, want_offsets = kernels.moe.sort_pairs_by_expert(experts, E)
+    assert order.dtype == offsets.dtype == torch.int32
+    assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
+    assert torch.equal(order.long(), torch.argsort(experts.flatten(), stable=True))
+
+
+ONE_LAUNCH_CASES = [pytest.param(T, E, k, id=f"T{T}-E{E}-k{k}") for T in (1, 3, 8, 17, 64) for E in (8, 32, 128)
+                    for k in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("T,E,k", ONE_LAUNCH_CASES)
+def test_one_launch_exact_inputs(triton_interpret, T, E, k):
+    """The one-launch path (and, at E = 128, T = 64, k = 4, the fallback) on logits exact whatever the
+    summation order: fp32 with no ties (ids identical), bf16 on a grid (ids identical where no exact tie)."""
+    routing = triton_interpret.routing
+    H = 64 + (7 * T + 3 * E + k) % 65  # 64..128, ragged against the tiles
+    folded = routing.one_launch(T, E, k)
+    assert folded == ((T, E, k) != (64, 128, 4))  # E = 128 sorts in the launch up to 32 tokens at k = 4
+    x, w, b = exact_inputs(T, H, E, seed=1000 * T + 10 * E + k)
+    gates, experts, sorted_pairs = routing.route_and_sort_pairs(x, w, b, k)
+    want_gates, want_experts = route_ref(x, w, b, k)
+    assert torch.equal(experts, want_experts)
+    torch.testing.assert_close(gates, want_gates, atol=1e-6, rtol=0)
     assert (sorted_pairs is not None) == folded
     if folded:
-        order, offsets = sorted_pairs
-        want_order, want_offsets = triton_interpret.moe.sort_pairs_by_expert(experts, E)
-        assert order.dtype == offsets.dtype == torch.int32
-        assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
-        assert torch.equal(order.long(), torch.argsort(experts.flatten(), stable=True))
+        assert_sorted_pairs(triton_interpret, sorted_pairs, experts, E)
+
+    x, w, b = grid_inputs(T, H, E, seed=1000 * T + 10 * E + k)
+    gates, experts, sorted_pairs = routing.route_and_sort_pairs(x, w, b, k)
+    assert_valid_routing(gates, experts, x, w, b, k, **{**BF16, "min_clear": 0.4 if T >= 8 else 0.0})
+    if folded:
+        assert_sorted_pairs(triton_interpret, sorted_pairs, experts, E)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,E,k", [(1, 200, 32, 4), (8, 96, 128, 2), (17, 150, 8, 1), (64, 200, 32, 4)])
+def test_one_launch_hidden_slices(triton_interpret, monkeypatch, dtype, T, H, E, k):
+    """Several hidden slices (small slices forced at small H): partial sums over slices, added by the
+    finishing program, on exact inputs (fp32) and on a bf16 grid, and on Gaussian inputs (tolerances)."""
+    routing = triton_interpret.routing
+    elem = torch.empty(0, dtype=dtype).element_size()
+    monkeypatch.setattr(routing, "LOGIT_SLICE_BYTES", T * H * elem // 3)  # 3 or 4 slices, the last one short
+    assert routing.logit_splits(T, E, H, elem) in (3, 4)
+    x, w, b = exact_inputs(T, H, E, seed=T) if dtype == torch.float32 else grid_inputs(T, min(H, 128), E, seed=T)
+    gates, experts, sorted_pairs = routing.route_and_sort_pairs(x, w, b, k)
+    assert_valid_routing(gates, experts, x, w, b, k, **(FP32 if dtype == torch.float32 else {**BF16, "min_clear": 0}))
+    assert_sorted_pairs(triton_interpret, sorted_pairs, experts, E)
+    x, w, b = gaussian_inputs(T, H, E, seed=T, dtype=dtype)
+    gates, experts = routing.route_triton(x, w, b, k)
+    assert_valid_routing(gates, experts, x, w, b, k, **(FP32_OWN if dtype == torch.float32 else BF16_OWN))
+
+
+def test_logit_splits(triton_interpret):
+    """One hidden slice at decode (T = 1); more as x grows, never past the finishing program's budget."""
+    routing = triton_interpret.routing
+    logit_splits, LOGIT_PARTIAL_BYTES = routing.logit_splits, routing.LOGIT_PARTIAL_BYTES
+    assert logit_splits(1, 32, 2880, 2) == logit_splits(1, 128, 2880, 2) == 1
+    for T, E in [(8, 32), (64, 32), (32, 128)]:
+        splits = logit_splits(T, E, 2880, 2)
+        assert 1 < splits and splits * T * E * 4 <= LOGIT_PARTIAL_BYTES
+    assert logit_splits(64, 32, 16, 4) == 1  # never slices narrower than 16
+
+
+def test_one_launch_repeats_and_resets_its_counter(triton_interpret):
+    """The finishing program resets the arrival counter: back-to-back launches (other grids between) give the
+    same results, and the counter is 0 after each."""
+    routing = triton_interpret.routing
+    x, w, b = exact_inputs(9, 80, 32, seed=5)
+    first = routing.route_and_sort_pairs(x, w, b, 4)
+    counter = routing._COUNTERS[x.device]
+    assert counter.tolist() == [0]
+    routing.route_and_sort_pairs(*exact_inputs(64, 48, 128, seed=6), 2)  # another grid
+    assert counter.tolist() == [0]
+    again = routing.route_and_sort_pairs(x, w, b, 4)
+    assert counter.tolist() == [0]
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert all(torch.equal(p, q) for p, q in zip(first[2], again[2]))
+    assert torch.equal(first[1], route_ref(x, w, b, 4)[1])
+
+
+def test_empty_batch_and_fallback_past_64_tokens(triton_interpret, monkeypatch):
+    """T = 0 launches nothing; 64 tokens route in one launch (no F.linear), 65 take the reference's linear and
+    match it, with the sort left to the caller."""
+    routing = triton_interpret.routing
+    gates, experts, sorted_pairs = routing.route_and_sort_pairs(torch.empty(0, 32), torch.ones(32, 32),
+                                                                torch.zeros(32), 4)
+    assert gates.shape == experts.shape == (0, 4) and sorted_pairs is None
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(a[0].shape[0]) or linear(*a))
+    for T in (64, 65):
+        x, w, b = exact_inputs(T, 40, 32, seed=T)
+        gates, experts, sorted_pairs = routing.route_and_sort_pairs(x, w, b, 4)
+        assert calls == ([] if T == 64 else [65])
+        assert (sorted_pairs is None) == (T == 65)
+        assert torch.equal(experts, torch.topk(linear(x, w, b), 4).indices)
+        torch.testing.assert_close(gates, torch.softmax(torch.topk(linear(x, w, b), 4).values, -1),
+                                   atol=1e-6, rtol=0)
 
 
 @pytest.mark.gpu
@@ -165,15 +293,36 @@ def test_route_bf16_cuda(triton_cuda, T, E):
     """GPT-OSS router shapes in bf16, compiled."""
     x, w, b = gaussian_inputs(T, 2880, E, seed=T, dtype=torch.bfloat16, device="cuda")
     gates, experts = route(x, w, b, 4)
-    assert_valid_routing(gates, experts, x, w, b, 4, **BF16)
+    own = triton_cuda.routing.one_launch(T, E, 4)
+    assert_valid_routing(gates, experts, x, w, b, 4, **(BF16_OWN if own else BF16))
     _, _, sorted_pairs = triton_cuda.routing.route_and_sort_pairs(x, w, b, 4)
+    assert (sorted_pairs is not None) == own
     if sorted_pairs is not None:
         want = triton_cuda.moe.sort_pairs_by_expert(experts, E)
         assert all(torch.equal(got, ref) for got, ref in zip(sorted_pairs, want))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [2, 500])  # one program with the sort folded in; several programs
+@pytest.mark.parametrize("T,E", [(1, 32), (8, 32), (64, 32), (8, 128), (32, 128)])
+def test_one_launch_repeats_cuda(triton_cuda, T, E):
+    """Many back-to-back launches on two alternating inputs: the finishing program must see every other
+    program's partial sums each time (an early or stale read, say of the other input's sums left in the
+    reused scratch buffer, would change a result), and leaves the counter at 0."""
+    routing = triton_cuda.routing
+    inputs = [gaussian_inputs(T, 2880, E, seed=T + i, dtype=torch.bfloat16, device="cuda") for i in range(2)]
+    firsts = [routing.route_and_sort_pairs(*xwb, 4) for xwb in inputs]
+    for (x, w, b), (gates, experts, _) in zip(inputs, firsts):
+        assert_valid_routing(gates, experts, x, w, b, 4, **BF16_OWN)
+    runs = [routing.route_and_sort_pairs(*inputs[i % 2], 4) for i in range(200)]
+    for i, run in enumerate(runs):
+        first = firsts[i % 2]
+        assert torch.equal(run[0], first[0]) and torch.equal(run[1], first[1])
+        assert all(torch.equal(p, q) for p, q in zip(run[2], first[2]))
+    assert routing._COUNTERS[inputs[0][0].device].tolist() == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2, 64, 500])  # one launch (one hidden slice; several); the fallback
 def test_route_cuda_graph_capture(triton_cuda, T):
     x, w, b = gaussian_inputs(T, 2880, 32, seed=0, dtype=torch.bfloat16, device="cuda")
 

@@ -47,11 +47,13 @@ class Experts(nn.Module):
         self.b1 = nn.Parameter(torch.zeros(num_experts, 2 * inter))
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden))
 
-    def forward(self, x: torch.Tensor, router: Router, top_k: int, alpha: float, limit: float) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router: Router, top_k: int, alpha: float, limit: float, *,
+                reduce: bool = True) -> torch.Tensor:
         if self.mxfp4:
             return moe_mxfp4(x, router.weight, router.bias, self.w1_blocks, self.w1_scales, self.b1,
-                             self.w2_blocks, self.w2_scales, self.b2, top_k, alpha, limit)
-        return moe(x, router.weight, router.bias, self.w1, self.b1, self.w2, self.b2, top_k, alpha, limit)
+                             self.w2_blocks, self.w2_scales, self.b2, top_k, alpha, limit, reduce=reduce)
+        return moe(x, router.weight, router.bias, self.w1, self.b1, self.w2, self.b2, top_k, alpha, limit,
+                   reduce=reduce)
 
 
 def _frozen(*shape: int) -> nn.Parameter:
@@ -66,8 +68,23 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, inter or cfg.intermediate_size, mxfp4_experts)
         self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.router, self.top_k, self.alpha, self.limit)
+    def forward(self, x: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """x [T, H] -> [T, H], or with reduce=False summands [T, S, H] whose sum over S is that (`kernels.moe`)."""
+        return self.experts(x, self.router, self.top_k, self.alpha, self.limit, reduce=reduce)
+
+
+def single_rank(t: torch.Tensor) -> torch.Tensor:
+    """`DecoderLayer.all_reduce` without tensor parallelism: nothing to add up. Tensor parallelism replaces it
+    (`engine.tp.install_all_reduce`); a layer that still holds this very function may hand on MoE summands."""
+    return t
+
+
+def residual_stream(h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual-stream value a (h, residual) pair carried between layers stands for: h + residual, with
+    MoE summands h [T, S, H] summed first, as the norm they go to sums them (`kernels.norm`)."""
+    if residual is not None and h.dim() == residual.dim() + 1:
+        h = h.sum(-2)
+    return h if residual is None else h + residual
 
 
 class DecoderLayer(nn.Module):
@@ -79,15 +96,20 @@ class DecoderLayer(nn.Module):
                                    bias=True, sinks=True, sliding_window=cfg.layer_window(idx), rotary=rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg, inter=inter, mxfp4_experts=mxfp4_experts)
-        self.all_reduce = lambda t: t  # replaced by tensor parallelism
+        self.all_reduce = single_rank  # replaced by tensor parallelism
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, meta: ForwardMeta
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream enters as h + residual (h alone when residual is None) and leaves as the
-        returned pair's sum: each residual add is left to the norm after it, which fuses it (vLLM style)."""
+        """The residual stream enters as `residual_stream(h, residual)` and leaves as that of the returned pair:
+        each residual add is left to the norm after it, which fuses it (vLLM style). Without tensor parallelism
+        the returned h is the MoE's summands [T, S, H] (`moe(..., reduce=False)`), and the next norm adds their
+        sum too (one launch fewer a layer); with it, the MoE sums first: all-reducing k times the bytes would
+        cost more than the fold saves."""
         x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.all_reduce(self.self_attn(x, meta))
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        if self.all_reduce is single_rank:
+            return self.mlp(x, reduce=False), residual
         return self.all_reduce(self.mlp(x)), residual
 
 
@@ -129,9 +151,9 @@ class GptOss(nn.Module):
         with self.model.rotary.once_for(meta.positions, h.dtype):
             for i, layer in enumerate(self.model.layers):
                 if i in self.aux_layer_ids:  # the stream entering layer i (an add for the few aux layers only)
-                    aux[i] = h if residual is None else h + residual
+                    aux[i] = residual_stream(h, residual)
                 h, residual = layer(h, residual, meta)
-        normed, h = self.model.norm.add_norm(h, residual)
+        normed, h = self.model.norm.add_norm(h, residual)  # adds the last layer's MoE summands, if any
         if len(self.model.layers) in self.aux_layer_ids:
             aux[len(self.model.layers)] = h
         aux_cat = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None

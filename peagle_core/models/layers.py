@@ -10,9 +10,9 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention, varlen_attention, write_kv
+from kernels.attention import paged_attention, varlen_attention
 from kernels.norm import add_rms_norm
-from kernels.rope import apply_rope
+from kernels.rope import apply_rope, rope_write_kv
 
 
 @dataclass
@@ -98,13 +98,16 @@ class Rotary(nn.Module):
         finally:
             self._shared = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin_for(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin`, taken from `once_for` when it shares them for these positions: callers that rotate with a
+        fused kernel of their own (the paged attention path) use the same values `forward` would."""
         shared = self._shared
-        if shared is not None and shared[0] is positions and shared[1].dtype == q.dtype:
-            cos, sin = shared[1], shared[2]
-        else:
-            cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rope(q, k, cos, sin)
+        if shared is not None and shared[0] is positions and shared[1].dtype == dtype:
+            return shared[1], shared[2]
+        return self.cos_sin(positions, dtype)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, k, *self.cos_sin_for(positions, q.dtype))
 
 
 def llama_inv_freq(head_dim: int, base: float, scaling: dict | None) -> list[float]:
@@ -172,13 +175,16 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, meta.positions)
         if meta.block_tables is not None:
+            # Rotation and the K/V store in one kernel (on the GPU one launch instead of two per layer).
             k_cache, v_cache = self.kv_cache
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            cos, sin = self.rotary.cos_sin_for(meta.positions, q.dtype)
+            q, k = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 meta.positions, self.sinks, self.sliding_window, self.scale)
-        elif meta.attn_mask is not None:
+            return self.o_proj(o.reshape(T, -1))
+        q, k = self.rotary(q, k, meta.positions)
+        if meta.attn_mask is not None:
             if meta.kv_prefix is not None:
                 if self in meta.kv_prefix:
                     k_past, v_past = meta.kv_prefix[self]
