@@ -37,7 +37,7 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
 
 case "${1:-}" in
   bench)  # one H200: GPU tests, where a bs-1 step's time goes, then `peagle bench`
-    timeout 250 python3 -m pytest -v -p no:cacheprovider -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    timeout 280 python3 -m pytest -v -p no:cacheprovider -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
     timeout 130 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
     timeout 30 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
@@ -74,7 +74,7 @@ case "${1:-}" in
              # between engines built alike was 20% on the H200, 47% for the tiny pair, in single-round sweeps)
     timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
       --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" \
-      --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens 96 --prewarm-policy adaptive \
+      --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive \
       --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
       --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
@@ -83,7 +83,7 @@ case "${1:-}" in
     timeout "${SWEEP_TIMEOUT:-560}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
       --prompts heldout --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" --min-requests "${MIN_REQUESTS:-8}" \
       --rounds "${ROUNDS:-3}" \
-      --max-tokens 96 --prewarm-policy adaptive --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" \
+      --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" \
       --time-budget-s "${SWEEP_BUDGET:-420}" --out /tmp/sweep_tiny 2>&1 \
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny

@@ -294,7 +294,10 @@ def test_route_bf16_cuda(triton_cuda, T, E):
     x, w, b = gaussian_inputs(T, 2880, E, seed=T, dtype=torch.bfloat16, device="cuda")
     gates, experts = route(x, w, b, 4)
     own = triton_cuda.routing.one_launch(T, E, 4)
-    assert_valid_routing(gates, experts, x, w, b, 4, **(BF16_OWN if own else BF16))
+    tol = dict(BF16_OWN if own else BF16)
+    if T < 4:  # one or three tokens: among 128 logits a token's top five are often within the tie tolerance,
+        tol["min_clear"] = 0.0  # so "most tokens clear" cannot be asked; the top-k-up-to-ties check still holds
+    assert_valid_routing(gates, experts, x, w, b, 4, **tol)
     _, _, sorted_pairs = triton_cuda.routing.route_and_sort_pairs(x, w, b, 4)
     assert (sorted_pairs is not None) == own
     if sorted_pairs is not None:

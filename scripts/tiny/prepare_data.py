@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=4096)
     ap.add_argument("--num-code-prompts", type=int, default=2048,
                     help="extra prompts ending after a Python function's signature and docstring")
+    ap.add_argument("--per-doc", type=int, default=1,
+                    help="prompts drawn from each corpus document: its first N user turns, or N text windows")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
@@ -64,12 +66,12 @@ def main() -> None:
     for line in corpus.open():
         doc = json.loads(line)
         if "messages" in doc:
-            first = next((m for m in doc["messages"] if m["role"] == "user"), None)
-            if first and 8 < len(first["content"]) < 2000:
-                prompts.append({"messages": [{"role": "user", "content": first["content"]}]})
+            turns = [m["content"] for m in doc["messages"] if m["role"] == "user"][:args.per_doc]
+            prompts += [{"messages": [{"role": "user", "content": c}]} for c in turns if 8 < len(c) < 2000]
         else:
-            start = rng.randrange(0, max(1, len(doc["text"]) - 400))
-            prompts.append({"text": doc["text"][start:start + 300]})
+            for _ in range(args.per_doc):
+                start = rng.randrange(0, max(1, len(doc["text"]) - 400))
+                prompts.append({"text": doc["text"][start:start + 300]})
     rng.shuffle(prompts)
     prompts = prompts[:args.num_prompts] + code_prompts(corpus, args.num_code_prompts, rng)
     rng.shuffle(prompts)
