@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
+#   bash benchmarks/gpu_run.sh train-speed     # one H200: head-training step times, eager and compiled (carry it too)
 # The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp, heads,
 # speed and train-profile also need data/regen.jsonl (scripts/tiny/train_pair.py --stop-after regen, on any
 # machine; carry it too).
@@ -108,6 +109,19 @@ case "${1:-}" in
     done
     wait
     ;;
+  train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
+                # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)
+    for m in "peagle --num-depths 8 --layers 2 --mask-token-id 9" "eagle3 --num-depths 5 --layers 1"; do
+      for c in "" --compile; do
+        set -- $m
+        PEAGLE_TRITON=0 timeout "${SPEED_TIMEOUT:-90}" python3 -m peagle_core.training.cli train \
+          --target peagle_core/assets/tiny/target --data data/regen.jsonl --method $m --batch-size 64 \
+          --max-len 896 --lr 1e-3 --aux-layers 1,3,5 --intermediate-size 768 --share-target-embeddings \
+          --steps "${SPEED_STEPS:-25}" \
+          --no-progress $c --out "/tmp/speed_$1$c" --log-jsonl "$OUT/speed_$1${c//-/_}.jsonl" 2>&1 | tail -n 2
+      done
+    done
+    ;;
   train-profile)  # one H200: torch.profiler over head-training steps (P-EAGLE, then EAGLE-3)
     for m in "peagle --num-depths 8 --layers 2 --mask-token-id 9" "eagle3 --num-depths 5 --layers 1"; do
       set -- $m
@@ -116,5 +130,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|pair-heads|speed|adaptive|adaptive-tiny|train-profile" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|pair-heads|speed|adaptive|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

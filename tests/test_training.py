@@ -13,9 +13,9 @@ from peagle_core.training.data import Example, greedy_generate, load_examples, r
 from peagle_core.training.eagle3 import eagle3_pass_loss, eagle3_unroll
 from peagle_core.training.features import extract_features, slot_valid
 from peagle_core.training.losses import DepthStats, element_loss
-from peagle_core.training.peagle import (assign_segments, cod_counts, cod_sample, peagle_forward, peagle_mask,
-                                         peagle_pass_loss, plan_passes, segment_elements)
-from peagle_core.training.trainer import TrainConfig, Trainer, init_drafter
+from peagle_core.training.peagle import (assign_segments, cod_counts, cod_sample, passes_to, peagle_forward,
+                                         peagle_mask, peagle_pass_loss, plan_passes, segment_elements)
+from peagle_core.training.trainer import TrainConfig, Trainer, default_pass_elements, init_drafter
 
 MASK_ID = 253
 AUX = [1, 2, 3]
@@ -122,6 +122,16 @@ def test_cod_is_seeded_random_and_respects_loss_mask():
     assert valid[(anchor + depth)[deep]].all()
     m = int(valid.sum())
     assert torch.bincount(depth, minlength=K).tolist()[1:] == [int((m - d) * 0.7 ** d) for d in range(1, K)]
+
+
+def test_cod_draws_stay_what_a_seed_always_drew():
+    # recorded from the torch implementation before planning moved to NumPy: a seed keeps its elements
+    valid = torch.tensor([j % 7 != 3 for j in range(16)])
+    anchor, depth = cod_sample(16, 4, 0.7, 0.2, torch.Generator().manual_seed(5), valid)
+    assert anchor.dtype == depth.dtype == torch.long
+    assert torch.equal(anchor[:16], torch.arange(16)) and not depth[:16].any()
+    assert anchor[16:].tolist() == [0, 1, 3, 5, 6, 8, 10, 13, 14, 0, 3, 6, 10, 13, 3, 6, 10]
+    assert depth[16:].tolist() == [1] * 9 + [2] * 5 + [3] * 3
 
 
 def test_cod_floor_is_capped_by_the_candidate_pool():
@@ -238,6 +248,77 @@ def test_trainer_same_step_whether_sequences_are_packed_or_not(target, method):
         assert a["passes"] == 3 and b["passes"] == 1
         assert abs(a["loss"] - b["loss"]) / a["loss"] <= 1e-4 and a["elements"] == b["elements"]
         assert abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] <= 1e-4
+
+
+def test_unique_rows_equals_numpy_unique():
+    import numpy as np
+
+    from peagle_core.training.peagle import unique_rows
+
+    g = np.random.default_rng(0)
+    for values in (np.zeros(0, dtype=np.int64), np.array([7]), g.integers(0, 50, 200), g.integers(3, 9, 40)):
+        rows, inverse = unique_rows(values)
+        want_rows, want_inverse = np.unique(values, return_inverse=True)
+        assert rows.tolist() == want_rows.tolist() and inverse.tolist() == want_inverse.tolist()
+
+
+def test_passes_reach_the_device_as_views_of_one_copy():
+    samples = [cod_sample(n, 4, 0.8, 0.2, torch.Generator().manual_seed(n)) for n in (9, 14, 6)]
+    passes = plan_passes(samples, [torch.ones(n, dtype=torch.bool) for n in (9, 14, 6)], [0, 10, 25], 2, 12)
+    moved = passes_to(passes, "cpu")
+    assert len(passes) > 1 and len(moved) == len(passes)
+    bases = set()
+    for p, q in zip(passes, moved):
+        assert (q.ends, q.charged_ends) == (p.ends, p.charged_ends)
+        for name, t in p.tensors().items():
+            got = q.tensors()[name]
+            assert torch.equal(got, t) and got.dtype == torch.long, name
+            bases.add(id(got._base))
+    assert len(bases) == 1  # one buffer, one transfer
+
+
+def test_default_pass_size_is_large_on_a_gpu_and_bounded_by_the_vocabulary(target):
+    assert default_pass_elements("cpu", 8192) == 1
+    assert default_pass_elements("cuda", 8192) == 16384     # the tiny pair: a few passes a step, not 13
+    assert default_pass_elements("cuda", 256) == 16384      # capped by the dense [T, T] attention
+    assert default_pass_elements("cuda", 32000) == 4096
+    assert default_pass_elements("cuda", 201088) == 4096    # GPT-OSS: [T, vocab] fp32 logits bound it
+    tr = Trainer(target, make_drafter(target), [Example(random_ids(20, 0), [True] * 20)],
+                 TrainConfig(num_depths=2, steps=1))
+    assert tr.pass_elements == 1 and tr.optimizer.defaults["fused"]  # CPU: one sequence a pass; fused AdamW
+
+
+def test_depth_stats_counts_come_from_the_host_and_sums_from_one_read():
+    stats = DepthStats(3)
+    stats.add(torch.tensor([0, 0, 1]), [2, 1], torch.tensor([1.0, 2.0, 4.0]), torch.tensor([True, False, True]))
+    stats.add(torch.tensor([1, 2]), [0, 1, 1], torch.tensor([0.5, 3.0]), torch.tensor([False, True]))
+    want = ([3.0, 4.5, 3.0], [2, 2, 1], [0.5, 0.5, 1.0])
+    assert stats.summary() == want and stats.summary(stats.sums.tolist()) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+def test_compiled_drafter_trains_like_the_eager_one(target, method, monkeypatch):
+    """`compile=True` traces the drafter (the unrolled EAGLE-3 steps grow a key/value dict inside it) into
+    graphs that compute what eager mode computes. aot_eager runs the traced graphs without code generation,
+    which is all a CPU test can afford; a GPU run adds Inductor's kernels."""
+    import functools
+    import torch._dynamo
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    examples = [Example(random_ids(30 + 5 * i, i), [j >= 6 for j in range(30 + 5 * i)]) for i in range(3)]
+    records = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        cfg = TrainConfig(method=method, num_depths=3, steps=2, batch_size=3, lr=1e-3, seed=3, pass_elements=40,
+                          compile=compiled)
+        tr = Trainer(target, make_drafter(target, method, layers=1), examples, cfg)
+        assert (tr.model is not tr.drafter) == compiled
+        records[compiled] = [tr.step() for _ in range(2)]
+    for a, b in zip(records[False], records[True]):
+        assert a["passes"] > 1 and a["acc"] == b["acc"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"]
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"]
 
 
 # --------------------------------------------------------------------------------------------

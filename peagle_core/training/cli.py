@@ -51,8 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cod-ratio-min", type=float, default=0.2, help="COD floor r_min")
     m.add_argument("--sequence-partitions", type=int, default=1, help="P-EAGLE: passes per sequence (memory / P^2)")
     m.add_argument("--pass-elements", type=int,
-                   help="elements per drafter pass: shorter sequences are packed together up to it "
-                        "(default: 4096 on cuda; 1 on cpu, i.e. one sequence per pass)")
+                   help="elements per drafter pass: shorter sequences are packed together up to it (default: on "
+                        "cuda 16384, less for vocabularies above 8k, down to 4096; 1 on cpu, one sequence a pass)")
+    m.add_argument("--compile", action="store_true",
+                   help="torch.compile the drafter's forward and backward (fewer, fused kernels a pass; about a "
+                        "minute of compilation first)")
     m.add_argument("--loss", choices=["kl", "ce"], default="kl", help="KL(target||draft) or CE vs target argmax")
     m.add_argument("--share-target-embeddings", action="store_true",
                    help="keep the embedding and LM head frozen at the target's and leave them out of the "
@@ -158,6 +161,7 @@ def train_from_args(args: argparse.Namespace) -> dict:
                       sequence_partitions=args.sequence_partitions, pass_elements=args.pass_elements,
                       loss=args.loss, feed=args.eagle3_feed,
                       seed=args.seed, dtype=dtype, share_target_embeddings=args.share_target_embeddings,
+                      compile=args.compile,
                       time_budget_s=args.time_budget_minutes * 60 if args.time_budget_minutes else None)
     trainer = Trainer(target, drafter, examples, cfg)
     records = trainer.train(args.log_jsonl, progress=not args.no_progress, out=args.out, save_every=args.save_every)

@@ -76,4 +76,5 @@ def eagle3_pass_loss(drafter: Drafter, feats: Features, p: Pass, stats: DepthSta
         cs = slice(p.charged_ends[j - 1] if j else 0, p.charged_ends[j])  # depth j's charged elements
         charged.append(normed[p.charged[cs] - new.start])
     c, t = p.charged, p.charged_target
-    return charge(stats, p.depth[c], drafter.compute_logits(torch.cat(charged)), logp[t], top[t], kind, denom)
+    return charge(stats, p.depth[c], p.charged_counts(), drafter.compute_logits(torch.cat(charged)), logp[t], top[t],
+                  kind, denom)

@@ -10,12 +10,18 @@ fc(mask_hidden)) at RoPE position a + d, learning the target's distribution at a
 A sample is ordered depth-major with depth 0 first (the depth-0 block is the anchors 0..n0-1 in
 order). A drafter forward ("pass") packs several samples, or partitions of one, into one flat batch
 under one mask; the batch runs as few passes as fit a size cap, not one per sequence.
+
+Planning (sampling, partitioning, packing) runs on the host in NumPy: it is a few small array operations
+per sequence and depth, and as torch operators each would cost a dispatch (~300 operator events a
+sequence at 8 depths: a third of a step's events at batch 64). The public functions take and return
+torch tensors, and the passes reach the device in one copy a step (`passes_to`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from peagle_core.models.drafter import Drafter
@@ -49,21 +55,22 @@ def cod_sample(n_valid: int, num_depths: int, ratio: float, ratio_min: float, ge
         raise ValueError(f"COD sampling needs at least one slot, got n_valid={n_valid}")
     if not 0 < ratio <= 1 or not 0 <= ratio_min <= 1:
         raise ValueError(f"COD ratios must lie in (0, 1] and [0, 1]; got ratio={ratio}, ratio_min={ratio_min}")
-    valid = torch.ones(n_valid, dtype=torch.bool) if loss_mask is None else loss_mask.to("cpu", torch.bool)
+    valid = np.ones(n_valid, dtype=bool) if loss_mask is None else loss_mask.to("cpu", torch.bool).numpy()
     if valid.shape != (n_valid,):
         raise ValueError(f"loss_mask has shape {tuple(valid.shape)}, expected ({n_valid},)")
     counts = cod_counts(int(valid.sum()), num_depths, ratio, ratio_min)
     # slot r's chain may continue to slot r + 1 if that slot is inside the sequence and supervised
-    extends = torch.cat([valid[1:], valid.new_zeros(1)])
-    refs = [torch.arange(n_valid)]  # each depth's reference slots (anchor + depth)
-    for d in range(1, num_depths):  # a few ops a depth: this runs for every sequence of every step
+    extends = np.append(valid[1:], False)
+    refs = [np.arange(n_valid, dtype=np.int64)]  # each depth's reference slots (anchor + depth)
+    for d in range(1, num_depths):
         pool = refs[-1][extends[refs[-1]]] + 1
-        k = min(counts[d], pool.numel())
+        k = min(counts[d], len(pool))
         if k <= 0:
             break
-        refs.append(pool[torch.randperm(pool.numel(), generator=generator)[:k]].sort().values)
-    depth = torch.repeat_interleave(torch.arange(len(refs)), torch.tensor([r.numel() for r in refs]))
-    return torch.cat(refs) - depth, depth
+        # torch's randperm, so a seed keeps drawing the same elements as it always has
+        refs.append(np.sort(pool[torch.randperm(len(pool), generator=generator).numpy()[:k]]))
+    depth = np.repeat(np.arange(len(refs), dtype=np.int64), [len(r) for r in refs])
+    return torch.from_numpy(np.concatenate(refs) - depth), torch.from_numpy(depth)
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,7 +96,7 @@ def peagle_mask(key: torch.Tensor, depth: torch.Tensor, start: torch.Tensor) -> 
 
 
 def assign_segments(anchor: torch.Tensor, depth: torch.Tensor, n_slots: int, num_segments: int) -> torch.Tensor:
-    """Owner segment of each element: contiguous buckets of the slot axis.
+    """Owner segment of each element: contiguous buckets of the slot axis (torch tensors or NumPy arrays).
 
     A depth-0 slot sits in the bucket of its anchor; a deeper element in the bucket of anchor + 1,
     the first slot its MASK chain occupies. A whole chain (a, 1..d) therefore shares one segment,
@@ -98,8 +105,8 @@ def assign_segments(anchor: torch.Tensor, depth: torch.Tensor, n_slots: int, num
     """
     if num_segments < 1:
         raise ValueError(f"sequence partitions must be at least 1, got {num_segments}")
-    bucket = anchor + (depth > 0).long()
-    return (bucket * num_segments // n_slots).clamp_(max=num_segments - 1)
+    bucket = anchor + (depth > 0)
+    return (bucket * num_segments // n_slots).clip(max=num_segments - 1)
 
 
 def segment_elements(depth: torch.Tensor, seg: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +116,12 @@ def segment_elements(depth: torch.Tensor, seg: torch.Tensor, s: int) -> tuple[to
     0..hi-1, so the depth-major layout survives) and the elements segment s owns. Only owned
     elements are charged a loss.
     """
-    idx = torch.nonzero((seg == s) | ((depth == 0) & (seg <= s))).squeeze(-1)
+    idx, owned = _segment_elements(depth.numpy(), seg.numpy(), s)
+    return torch.from_numpy(idx), torch.from_numpy(owned)
+
+
+def _segment_elements(depth: np.ndarray, seg: np.ndarray, s: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = np.flatnonzero((seg == s) | ((depth == 0) & (seg <= s)))
     return idx, seg[idx] == s
 
 
@@ -124,8 +136,8 @@ class Pass:
     to back, then ordered depth-major across the pass (every depth-0 element first, then depth 1, ...),
     so the forward over depths <= j is a prefix and a depth's keys come out sorted.
 
-    Planned on the host, where the sampler's tensors are, and moved to the device once: nothing in
-    the pass loop waits for the device.
+    Planned on the host, where the sampler's tensors are, and moved to the device once (`passes_to`):
+    nothing in the pass loop waits for the device.
     """
 
     row: torch.Tensor     # [T] feature row of the element's anchor slot (sequence start + anchor)
@@ -144,9 +156,34 @@ class Pass:
     def __len__(self) -> int:
         return self.row.shape[0]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The index tensors by field name (what moves to the device)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
+
+    def charged_counts(self) -> list[int]:
+        """Charged elements at each depth."""
+        return [b - a for a, b in zip([0, *self.charged_ends], self.charged_ends)]
+
     def to(self, device: torch.device | str) -> "Pass":
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return Pass(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in moved.items()})
+
+
+def passes_to(passes: list[Pass], device: torch.device | str) -> list[Pass]:
+    """Every pass's index tensors in one host-to-device copy, from pinned memory on CUDA.
+
+    A copy from pageable memory waits for the device, and a step has ten index tensors a pass: packed
+    into one buffer they cost one transfer a step that the host does not wait for. (A CPU takes the same
+    route, which costs it one concatenation.)"""
+    device = torch.device(device)
+    parts = [t for p in passes for t in p.tensors().values()]  # all int64
+    if not parts:
+        return passes
+    flat = torch.cat(parts)
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    pieces = iter(flat.to(device, non_blocking=True).split([t.numel() for t in parts]))
+    return [replace(p, **{name: next(pieces) for name in p.tensors()}) for p in passes]
 
 
 def plan_passes(samples: list[tuple[torch.Tensor, torch.Tensor]], valid: list[torch.Tensor], starts: list[int],
@@ -160,14 +197,15 @@ def plan_passes(samples: list[tuple[torch.Tensor, torch.Tensor]], valid: list[to
     """
     units = []
     for (anchor, depth), ok, row0 in zip(samples, valid, starts):
+        anchor, depth, ok = anchor.numpy(), depth.numpy(), ok.numpy()
         sup = ok[anchor + depth]
-        if num_segments == 1:  # the sequence is its only unit: no partition bookkeeping (a dozen ops a sequence)
+        if num_segments == 1:  # the sequence is its only unit: no partition bookkeeping
             if sup.any():
                 units.append((row0, anchor, depth, sup))
             continue
-        seg = assign_segments(anchor, depth, ok.numel(), num_segments)
+        seg = assign_segments(anchor, depth, len(ok), num_segments)
         for s in range(num_segments):
-            idx, owned = segment_elements(depth, seg, s)
+            idx, owned = _segment_elements(depth, seg, s)
             if (owned & sup[idx]).any():
                 units.append((row0, anchor[idx], depth[idx], owned & sup[idx]))
     passes, group, size = [], [], 0
@@ -180,24 +218,34 @@ def plan_passes(samples: list[tuple[torch.Tensor, torch.Tensor]], valid: list[to
     return passes + ([build_pass(group)] if group else [])
 
 
-def build_pass(units: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> Pass:
-    """One pass from its units, each (first feature row of its sequence, anchor, depth, charged)."""
+def build_pass(units: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> Pass:
+    """One pass from its units, each (first feature row of its sequence, anchor, depth, charged) as NumPy arrays."""
     row0, anchors, depths, charged = zip(*units)
     spans = [int(a.max()) + 1 for a in anchors]  # each unit's keys get a range of their own
     offsets = list(accumulate(spans[:-1], initial=0))
-    order = torch.sort(torch.cat(depths), stable=True).indices  # depth-major across the pass
-    anchor, depth = torch.cat(anchors)[order], torch.cat(depths)[order]
-    row = torch.cat([r + a for r, a in zip(row0, anchors)])[order]
-    start = torch.cat([torch.full_like(a, o) for o, a in zip(offsets, anchors)])[order]
-    charged = torch.cat(charged)[order].nonzero().squeeze(-1)
+    # depth-major across the pass; a stable sort of small ints is NumPy's radix sort, linear in the pass size
+    order = np.argsort(np.concatenate(depths).astype(np.int16), kind="stable")
+    anchor, depth = np.concatenate(anchors)[order], np.concatenate(depths)[order]
+    row = np.concatenate([r + a for r, a in zip(row0, anchors)])[order]
+    start = np.repeat(np.array(offsets, dtype=np.int64), [len(a) for a in anchors])[order]
+    charged = np.flatnonzero(np.concatenate(charged)[order])
     key, n0, total = start + anchor, int((depth == 0).sum()), sum(spans)
     code = depth * total + key  # ascending: depth-major, keys sorted within a depth
-    parent = torch.searchsorted(code, code[n0:] - total)
-    rows, inverse = torch.unique(torch.cat([(row + depth + 1)[charged], (row + depth)[n0:]]), return_inverse=True)
-    n_depths = int(depth.max()) + 1
-    return Pass(row, anchor + depth, depth, key, start, parent, charged, rows, inverse[: len(charged)],
-                inverse[len(charged):], torch.bincount(depth).cumsum(0).tolist(),
-                torch.bincount(depth[charged], minlength=n_depths).cumsum(0).tolist())
+    parent = np.searchsorted(code, code[n0:] - total)
+    rows, inverse = unique_rows(np.concatenate([(row + depth + 1)[charged], (row + depth)[n0:]]))
+    ends = np.bincount(depth).cumsum()
+    charged_ends = np.bincount(depth[charged], minlength=len(ends)).cumsum()
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+    return Pass(t(row), t(anchor + depth), t(depth), t(key), t(start), t(parent), t(charged), t(rows),
+                t(inverse[: len(charged)]), t(inverse[len(charged):]), ends.tolist(), charged_ends.tolist())
+
+
+def unique_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`np.unique(values, return_inverse=True)` for feature rows (non-negative, below the batch's token count)
+    by a presence table instead of a sort: linear in the pass size plus the batch's token count."""
+    seen = np.zeros(int(values.max()) + 1 if len(values) else 0, dtype=bool)
+    seen[values] = True
+    return np.flatnonzero(seen), (np.cumsum(seen) - 1)[values]
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,4 +286,5 @@ def peagle_pass_loss(drafter: Drafter, feats: Features, p: Pass, mask_token_id: 
     normed = peagle_forward(drafter, feats, p, mask_token_id)
     logp, top = feats.target_dist(p.target_rows)
     c, t = p.charged, p.charged_target
-    return charge(stats, p.depth[c], drafter.compute_logits(normed[c]), logp[t], top[t], kind, denom)
+    return charge(stats, p.depth[c], p.charged_counts(), drafter.compute_logits(normed[c]), logp[t], top[t], kind,
+                  denom)

@@ -3,8 +3,11 @@
 One step: a batch of sequences -> COD sampling per sequence -> the samples (P-EAGLE: split into
 `sequence_partitions` partitions) packed into a few drafter passes -> one batched frozen-target forward
 -> per pass, the method's forward/backward with every loss divided by the batch's total count of
-charged elements -> gradient clipping -> AdamW -> linear warmup/decay. Nothing before the optimizer
-reads a value back from the device, so a GPU never idles waiting for the host.
+charged elements -> gradient clipping -> fused AdamW -> linear warmup/decay. The passes' index tensors
+reach the device in one copy, and the step's log values come back in one read after the optimizer:
+nothing in between waits for the device, so a GPU never idles waiting for the host. On a GPU a step is
+bound by the host's operator launches, not by arithmetic: hence large passes (`default_pass_elements`)
+and, optionally, a compiled drafter (`compile`).
 The drafter keeps fp32 parameters; with dtype bfloat16 the target runs in bf16 and the drafter's
 forward under autocast (fp32 master weights, bf16 matmuls).
 """
@@ -31,7 +34,7 @@ from peagle_core.training.data import Example, batches
 from peagle_core.training.eagle3 import eagle3_pass_loss
 from peagle_core.training.features import extract_features, slot_valid
 from peagle_core.training.losses import DepthStats
-from peagle_core.training.peagle import cod_sample, peagle_pass_loss, plan_passes
+from peagle_core.training.peagle import cod_sample, passes_to, peagle_pass_loss, plan_passes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -53,9 +56,7 @@ class TrainConfig:
     cod_ratio: float | None = None      # None: 0.8 for P-EAGLE (paper), 1.0 (no dropping) for EAGLE-3
     cod_ratio_min: float = 0.2
     sequence_partitions: int = 1
-    # elements per drafter pass (sequences or partitions are packed up to it). None: 4096 on a GPU, where
-    # a pass is launch-bound and the larger dense attention cheap; 1 (each alone) on a CPU, which pays
-    # for every attention pair it computes
+    # elements per drafter pass (sequences or partitions are packed up to it). None: `default_pass_elements`
     pass_elements: int | None = None
     loss: Literal["kl", "ce"] = "kl"
     feed: Literal["target", "draft"] = "target"  # EAGLE-3 fed-back token
@@ -63,6 +64,10 @@ class TrainConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     share_target_embeddings: bool = False  # freeze embed/LM head at the target's and omit them on save
     time_budget_s: float | None = None  # fit `steps` to this wall time (measured over the first steps)
+    # torch.compile the drafter's forward (and so its backward): its norms, rotations and attention plumbing
+    # become generated kernels (operator events a pass, measured on a CPU: P-EAGLE ~1850 -> ~660, EAGLE-3
+    # ~4760 -> ~1340). Costs a minute or so of compilation up front
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("peagle", "eagle3"):
@@ -166,6 +171,34 @@ def save_head(drafter: Drafter, path: Path, dtype: torch.dtype, shared: bool = F
 # --------------------------------------------------------------------------------------------
 
 
+# Default pass size on a GPU. There a pass is launch-bound: its ~2000 operator events of forward and backward
+# (a 2-layer head) cost the host tens of ms whatever its size, so a step should run as few passes as fit. What grows
+# with the size T: the dense [T, T] mask (T^2 bytes and a few transient copies: 0.27 GB at 16k), the dense
+# attention (T x elements a step: ~5 TFLOP at 16k for 42k elements and 2 layers, some 50-100 ms of
+# memory-efficient attention at head_dim 32 on an H200, about what the host needs to launch those passes), and
+# the loss's [T, vocab] fp32 tensors (target and draft log-probabilities and their gradients, ~8 alive), hence
+# the vocabulary bound: 16384 at the tiny pair's 8k vocabulary (0.5 GiB each), 4096 at GPT-OSS's 201k (3.3 GiB).
+GPU_PASS_ELEMENTS = (4096, 16384)
+LOGITS_BYTES_PER_PASS = 1 << 29  # one fp32 [elements, vocab] tensor
+
+
+def default_pass_elements(device: torch.device | str, vocab_size: int) -> int:
+    """Elements per drafter pass when --pass-elements is not given: on a GPU as many as the vocabulary allows
+    within GPU_PASS_ELEMENTS (a power of two); on a CPU 1 (each sequence alone), since a CPU pays for every
+    attention pair of the dense mask while its per-operator overhead is small."""
+    if torch.device(device).type == "cpu":
+        return 1
+    lo, hi = GPU_PASS_ELEMENTS
+    fit = LOGITS_BYTES_PER_PASS // (4 * vocab_size)
+    return max(lo, min(hi, 1 << max(fit, 1).bit_length() - 1))
+
+
+def fused_adamw(params: list[torch.nn.Parameter], device: torch.device, **kw) -> torch.optim.AdamW:
+    """AdamW as one fused operator per step where the device has one (CUDA, CPU) instead of a dozen operators
+    per parameter (or a few per parameter group with foreach): a handful of launches whatever the head's size."""
+    return torch.optim.AdamW(params, fused=True if device.type in ("cuda", "cpu") else None, **kw)
+
+
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -193,11 +226,14 @@ class Trainer:
             drafter.embed_tokens.requires_grad_(False)
             drafter.lm_head.requires_grad_(False)
         params = [p for p in drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.optimizer = fused_adamw(params, self.device, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
         self.generator = torch.Generator().manual_seed(cfg.seed)  # COD draws: same seed, same elements for any P
-        self.pass_elements = cfg.pass_elements or (4096 if self.device.type == "cuda" else 1)
+        self.pass_elements = cfg.pass_elements or default_pass_elements(self.device, drafter.config.vocab_size)
+        # what the passes call: the drafter, or a compiled wrapper sharing its parameters (the drafter itself
+        # stays an eager module for saving and inference). Pass sizes vary, hence dynamic shapes from the start
+        self.model = torch.compile(drafter, dynamic=True) if cfg.compile else drafter
         self.batches = batches(examples, cfg.batch_size, cfg.seed)
         self.step_num = 0
 
@@ -215,18 +251,18 @@ class Trainer:
         samples = [cod_sample(ok.numel(), cfg.num_depths, cfg.cod_ratio, cfg.cod_ratio_min, self.generator, ok)
                    for ok in valid]
         starts = list(accumulate((len(e.input_ids) for e in batch[:-1]), initial=0))
-        passes = [p.to(self.device) for p in plan_passes(samples, valid, starts, cfg.sequence_partitions,
-                                                         self.pass_elements)]
+        passes = passes_to(plan_passes(samples, valid, starts, cfg.sequence_partitions, self.pass_elements),
+                           self.device)
         denom = sum(len(p.charged) for p in passes)
         feats = extract_features(self.target, batch, self.aux_layer_ids, self.device)
         stats, loss = DepthStats(cfg.num_depths, self.device), torch.zeros((), device=self.device)
         with self.autocast():
             for p in passes:
                 if cfg.method == "peagle":
-                    part = peagle_pass_loss(self.drafter, feats, p, self.drafter.config.mask_token_id, stats,
+                    part = peagle_pass_loss(self.model, feats, p, self.drafter.config.mask_token_id, stats,
                                             denom, cfg.loss)
                 else:
-                    part = eagle3_pass_loss(self.drafter, feats, p, stats, denom, cfg.loss, cfg.feed)
+                    part = eagle3_pass_loss(self.model, feats, p, stats, denom, cfg.loss, cfg.feed)
                 part.backward()
                 loss += part.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
@@ -235,8 +271,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step_num += 1
-        _, count, acc = stats.summary()
-        rec = {"step": self.step_num, "loss": loss.item(), "acc": acc, "lr": lr, "grad_norm": float(grad_norm)}
+        # the step's one read from the device: loss, gradient norm and per-depth sums together
+        read = torch.cat([torch.stack([loss, grad_norm]).double(), stats.sums.flatten()]).tolist()
+        _, count, acc = stats.summary([read[2:2 + cfg.num_depths], read[2 + cfg.num_depths:]])
+        rec = {"step": self.step_num, "loss": read[0], "acc": acc, "lr": lr, "grad_norm": read[1]}
         dt = time.perf_counter() - t0  # after the reads above, which wait for the device
         tokens = sum(len(e.input_ids) for e in batch)
         return rec | {"tokens": tokens, "elements": sum(count), "max_attn_tokens": stats.max_attn_tokens,

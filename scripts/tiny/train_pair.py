@@ -38,23 +38,31 @@ def run(*cmds: list[str]) -> float:
     return time.time() - t0
 
 
-def regenerate(target: Path, prompts_file: Path, out: Path, max_tokens: int, limit: int) -> dict:
-    """Target-generated responses: {"input_ids", "loss_mask"} records for `peagle train`."""
+def regenerate(target: Path, prompts_file: Path, out: Path, max_tokens: int, limit: int, shard: tuple[int, int] = (0, 1),
+               minutes: float | None = None, batch: int = 128) -> dict:
+    """Target-generated responses: {"input_ids", "loss_mask"} records for `peagle train`.
+
+    `shard` (i, n) takes every n-th prompt from the i-th (one process per GPU); `minutes` stops after the chunk
+    that passes the time budget (the prompts are shuffled, so what finishes is a random subset)."""
     from peagle_core import LLM, SamplingParams
 
-    llm = LLM(str(target), max_num_seqs=128, max_model_len=1024)
-    recs = [json.loads(line) for line in prompts_file.open()][:limit]
+    llm = LLM(str(target), max_num_seqs=batch, max_model_len=1024)
+    recs = [json.loads(line) for line in prompts_file.open()][:limit][shard[0]::shard[1]]
     prompts = [llm.tokenizer.apply_chat_template(r["messages"]) if "messages" in r else r["text"] for r in recs]
     prompt_ids = [llm.tokenizer.encode(p)[-640:] for p in prompts]
-    t0 = time.time()
-    outs = llm.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    n_tok = 0
+    t0, n_tok, n_rec = time.time(), 0, 0
     with out.open("w") as f:
-        for p, o in zip(prompt_ids, outs):
-            resp = o.outputs[0].token_ids
-            n_tok += len(resp)
-            f.write(json.dumps({"input_ids": p + resp, "loss_mask": [0] * len(p) + [1] * len(resp)}) + "\n")
-    return {"records": len(outs), "generated_tokens": n_tok, "seconds": time.time() - t0}
+        for start in range(0, len(prompt_ids), 8 * batch):
+            chunk = prompt_ids[start:start + 8 * batch]
+            outs = llm.generate(chunk, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+            for p, o in zip(chunk, outs):
+                resp = o.outputs[0].token_ids
+                n_tok, n_rec = n_tok + len(resp), n_rec + 1
+                f.write(json.dumps({"input_ids": p + resp, "loss_mask": [0] * len(p) + [1] * len(resp)}) + "\n")
+            print(f"regenerated {n_rec}/{len(prompt_ids)} ({n_tok} tokens, {time.time() - t0:.0f} s)", flush=True)
+            if minutes and time.time() - t0 > minutes * 60:
+                break
+    return {"records": n_rec, "generated_tokens": n_tok, "seconds": time.time() - t0}
 
 
 def main() -> None:
@@ -67,9 +75,16 @@ def main() -> None:
     ap.add_argument("--pretrain-minutes", type=float, default=4.0)
     ap.add_argument("--regen-prompts", type=int, default=6144)
     ap.add_argument("--regen-tokens", type=int, default=160)
+    ap.add_argument("--regen-shard", default="0/1", help="I/N: regenerate every N-th prompt from the I-th")
+    ap.add_argument("--regen-minutes", type=float, help="stop regenerating after about this long")
+    ap.add_argument("--regen-batch", type=int, default=128, help="the engine's max_num_seqs while regenerating")
     ap.add_argument("--head-steps", type=int, default=600)
     ap.add_argument("--head-minutes", type=float, help="fit the head steps to this wall time")
     ap.add_argument("--head-batch-size", type=int, default=16, help="sequences per head optimizer step")
+    ap.add_argument("--head-lr", type=float, default=1e-3)
+    ap.add_argument("--head-pass-elements", type=int, help="elements per drafter pass (`peagle train --pass-elements`; "
+                    "default: its own, 16384 on a GPU for this vocabulary)")
+    ap.add_argument("--head-compile", action="store_true", help="torch.compile the heads (`peagle train --compile`)")
     ap.add_argument("--aux-layers", default="1,3,5", help="target layer ids whose input residuals feed the heads "
                     "(6 = the target's last residual)")
     ap.add_argument("--eval-tokens", type=int, default=128)
@@ -85,16 +100,21 @@ def main() -> None:
                                     "--out", str(target), "--minutes", str(args.pretrain_minutes)])
     regen = Path(args.regen_data) if args.regen_data else out / "regen.jsonl"
     if not args.regen_data:
+        shard = tuple(int(v) for v in args.regen_shard.split("/"))
         report["regenerate"] = regenerate(target, data / "regen_prompts.jsonl", regen, args.regen_tokens,
-                                          args.regen_prompts)
+                                          args.regen_prompts, shard, args.regen_minutes, args.regen_batch)
     if args.stop_after == "regen":
         return finish(out, report)
     heads = {"peagle": out / "peagle", "eagle3": out / "eagle3"}
     common = ["--target", str(target), "--data", str(regen), "--steps", str(args.head_steps),
-              "--batch-size", str(args.head_batch_size), "--max-len", "896", "--lr", "1e-3", "--warmup-ratio", "0.05",
+              "--batch-size", str(args.head_batch_size), "--max-len", "896", "--lr", str(args.head_lr), "--warmup-ratio", "0.05",
               "--aux-layers", args.aux_layers, "--intermediate-size", "768", "--share-target-embeddings", "--no-progress"]
     if args.head_minutes:
         common += ["--time-budget-minutes", str(args.head_minutes)]
+    if args.head_pass_elements:
+        common += ["--pass-elements", str(args.head_pass_elements)]
+    if args.head_compile:
+        common += ["--compile"]
     report["heads_train_s"] = run(
         [py, "-m", "peagle_core.training.cli", "train", *common, "--method", "peagle", "--num-depths", "8",
          "--layers", "2", "--mask-token-id", "9", "--out", str(heads["peagle"]),
