@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
-#   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then the four heads (carry data/big)
+#   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
 #   bash benchmarks/gpu_run.sh speed     # one H200: tiny heads next to the GPU tests, then profile + `peagle bench`
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
@@ -91,7 +91,7 @@ case "${1:-}" in
     ;;
   pair-heads)  # two H200s: the target answers many more prompts (one shard a GPU; carry data/big, written by
                # `prepare_data.py --out data/big --per-doc 12 --num-prompts 100000 --num-code-prompts 100000`),
-               # then P-EAGLE and EAGLE-3 heads for two aux-layer choices, all four side by side (host-bound)
+               # then the P-EAGLE and EAGLE-3 heads, one a GPU
     for i in 0 1; do
       CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
         --target peagle_core/assets/tiny/target --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
@@ -102,12 +102,10 @@ case "${1:-}" in
     grep -h '}$' /tmp/regen0/regen.jsonl /tmp/regen1/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
     [ "$(wc -l < /tmp/regen_big.jsonl)" -ge 2000 ] || cp data/regen.jsonl /tmp/regen_big.jsonl  # (carry it)
     wc -l /tmp/regen_big.jsonl
-    for aux in 1,3,5 1,3,6; do
-      REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads "/tmp/heads_${aux//,/}" \
-        --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
-        --head-minutes "${HEAD_MINUTES:-5}" --aux-layers $aux &
-    done
-    wait
+    # one process a GPU: two training processes time-sharing one GPU ran 5-10x slower each (train_speed.md)
+    REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads /tmp/heads \
+      --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
+      --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}"
     ;;
   train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
                 # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)
