@@ -6,14 +6,13 @@
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
-#   bash benchmarks/gpu_run.sh speed     # one H200: tiny heads next to the GPU tests, then profile + `peagle bench`
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
 #   bash benchmarks/gpu_run.sh train-speed     # one H200: head-training step times, eager and compiled (carry it too)
-# The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp, heads,
-# speed and train-profile also need data/regen.jsonl (scripts/tiny/train_pair.py --stop-after regen, on any
-# machine; carry it too).
+# The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp,
+# pair-heads (as a fallback), train-profile and train-speed also need data/regen.jsonl
+# (scripts/tiny/train_pair.py --stop-after regen, on any machine; carry it too).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
@@ -61,15 +60,6 @@ case "${1:-}" in
       --context 1024 --scale 30 --out "$OUT/tp" 2>&1 | tail -n 16
     SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-250} SWEEP_BUDGET=${SWEEP_BUDGET:-150} bash "$0" adaptive
     ;;
-  speed)  # one H200: the tiny heads train (host-bound, HEAD_MINUTES) while the GPU tests run; then the timings alone
-    train_heads /tmp/pair --head-steps 100000 --head-batch-size "${HEAD_BATCH:-32}" \
-      --head-minutes "${HEAD_MINUTES:-4.5}" &
-    timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS 2>&1 | tail -n 60 > "$OUT/gpu_tests.log"
-    tail -n 3 "$OUT/gpu_tests.log"
-    wait
-    timeout 75 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
-    timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-    ;;
   adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape;
              # at least MIN_REQUESTS requests per level, ROUNDS interleaved rounds (cells: the median; the spread
              # between engines built alike was 20% on the H200, 47% for the tiny pair, in single-round sweeps)
@@ -102,7 +92,7 @@ case "${1:-}" in
     grep -h '}$' /tmp/regen0/regen.jsonl /tmp/regen1/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
     [ "$(wc -l < /tmp/regen_big.jsonl)" -ge 2000 ] || cp data/regen.jsonl /tmp/regen_big.jsonl  # (carry it)
     wc -l /tmp/regen_big.jsonl
-    # one process a GPU: two training processes time-sharing one GPU ran 5-10x slower each (train_speed.md)
+    # one process a GPU: two training processes time-sharing one GPU ran 3-5x slower per token (train_speed.md)
     REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads /tmp/heads \
       --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
       --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}"
@@ -128,5 +118,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|pair-heads|speed|adaptive|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|pair-heads|adaptive|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

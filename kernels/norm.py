@@ -12,8 +12,8 @@ sums a bf16 tensor) and the outputs are `[..., H]`. This is how the MoE hands ov
 expert outputs (`moe(..., reduce=False)`): the k-sum rides along with the norm after it too, one launch
 fewer a layer (the separate PyTorch reduce it replaces cost 4.3 us a layer at batch size 1 on an H200,
 GPT-OSS-20B: k = 4 rows of 2880, plus its launch gap in the CUDA graph).
-The form is read from the shapes when a residual is given; without one, `summands=True` asks for it
-(a 3-D x alone stays rows to normalise, as before).
+The form is read from the shapes: summands always come with a residual (the MoE's output never opens the
+stream), and a 3-D x alone stays rows to normalise.
 """
 from __future__ import annotations
 
@@ -22,17 +22,17 @@ import torch
 from kernels.dispatch import needs_grad, use_triton
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                 summands: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and not needs_grad(x, residual, weight):
         from kernels.triton_norm import add_rms_norm_triton
-        return add_rms_norm_triton(x, residual, weight, eps, summands=summands)
-    return add_rms_norm_ref(x, residual, weight, eps, summands=summands)
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                     summands: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if is_summands(x, residual, summands):
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    if is_summands(x, residual):
         x = x[..., 0, :] if x.shape[-2] == 1 else x.sum(-2)  # one summand: the value itself, no copy
     if residual is not None:
         x = x + residual
@@ -41,16 +41,14 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return (weight.float() * xf).to(x.dtype), x
 
 
-def is_summands(x: torch.Tensor, residual: torch.Tensor | None, summands: bool | None = None) -> bool:
-    """Whether x is `[..., S, H]` summands (see the module docstring): `summands` if given, else whether x has
-    one dimension more than the residual. ValueError for a summand form that cannot be one."""
-    if summands is None:
-        summands = residual is not None and x.dim() == residual.dim() + 1
-    if not summands:
+def is_summands(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether x is `[..., S, H]` summands (see the module docstring): x has one dimension more than the
+    residual. ValueError for a summand form that cannot be one."""
+    if residual is None or x.dim() != residual.dim() + 1:
         return False
-    if x.dim() < 2 or x.shape[-2] < 1:
+    if x.shape[-2] < 1:
         raise ValueError(f"add_rms_norm: summands must be [..., S >= 1, H], got {tuple(x.shape)}")
-    if residual is not None and residual.shape != x.shape[:-2] + x.shape[-1:]:
+    if residual.shape != x.shape[:-2] + x.shape[-1:]:
         raise ValueError(f"add_rms_norm: summands {tuple(x.shape)} need a residual of shape "
                          f"{tuple(x.shape[:-2] + x.shape[-1:])}, got {tuple(residual.shape)}")
     return True

@@ -27,8 +27,7 @@ from kernels.norm import is_summands
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
                          stride_x, stride_xs, stride_res, stride_out,
-                         S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
@@ -38,9 +37,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
         for s in tl.static_range(1, S):
             x += tl.load(x_row + s * stride_xs, mask=inside, other=0.0).to(tl.float32)
         x = x.to(x_ptr.dtype.element_ty).to(tl.float32)
-    if HAS_RESIDUAL:
+    if HAS_RESIDUAL:  # (summands always come with one)
         x += tl.load(res_ptr + row * stride_res + cols, mask=inside, other=0.0).to(tl.float32)
-    if STORE_RESIDUAL:  # a residual was added, or summands were summed: the new residual is a new row
         stored = x.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_out + cols, stored, mask=inside)
         x = stored.to(tl.float32)
@@ -49,24 +47,24 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
     tl.store(out_ptr + row * stride_out + cols, (w * (x * r)).to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
-                        summands: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual) for x [..., H], or for summands x [..., S, H] (`kernels.norm`); a None residual
-    returns x itself as the new residual (the sum of the summands when S > 1)."""
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual) for x [..., H], or for summands x [..., S, H] with a residual (`kernels.norm`);
+    a None residual returns x itself as the new residual."""
     H = x.shape[-1]
     if weight.shape != (H,):
         raise ValueError(f"weight must be [{H}], got {tuple(weight.shape)}")
     S = 1
-    if is_summands(x, residual, summands):
+    if is_summands(x, residual):
         S = x.shape[-2]
-        if S == 1:  # a single summand is the row itself: the plain kernel, no copy without a residual
+        if S == 1:  # a single summand is the row itself: the plain kernel
             x = x.select(-2, 0)
     elif residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     shape = x.shape if S == 1 else x.shape[:-2] + x.shape[-1:]
     dtype = x.dtype if residual is None else torch.result_type(x, residual)
     out = torch.empty(shape, dtype=dtype, device=x.device)
-    new_residual = x if residual is None and S == 1 else torch.empty_like(out)
+    new_residual = x if residual is None else torch.empty_like(out)
     rows = out.numel() // H if H else 0
     if rows == 0:
         return out, new_residual
@@ -75,8 +73,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     block = triton.next_power_of_2(H)
     _add_rms_norm_kernel[(rows,)](x2, res2, weight.contiguous(), out, new_residual, H, float(eps),
                                   x2.stride(0), x2.stride(1) if S > 1 else 0, res2.stride(0), H,
-                                  S=S, HAS_RESIDUAL=residual is not None,
-                                  STORE_RESIDUAL=residual is not None or S > 1, BLOCK=block,
+                                  S=S, HAS_RESIDUAL=residual is not None, BLOCK=block,
                                   num_warps=min(max(block // 512, 1), 8))
     return out, new_residual
 

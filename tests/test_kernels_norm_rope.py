@@ -74,20 +74,18 @@ def test_add_rms_norm_strided_and_batched_inputs(triton_interpret):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("with_residual", [False, True], ids=["no-residual", "residual"])
 @pytest.mark.parametrize("rows,H", [(0, 64), (1, 2880), (7, 37), (3, 100)])
 @pytest.mark.parametrize("S", [1, 2, 4])
-def test_add_rms_norm_over_summands_matches_reference(triton_interpret, S, rows, H, with_residual, dtype):
-    """x [T, S, H] stands for x.sum(1): with a residual the form is read from the shapes, without one it is asked
-    for. The new residual is PyTorch's `x.sum(1) + residual` (fp32 sum, rounded once, then the add)."""
+def test_add_rms_norm_over_summands_matches_reference(triton_interpret, S, rows, H, dtype):
+    """x [T, S, H] with a residual [T, H] (the form read from the shapes) stands for x.sum(1). The new residual
+    is PyTorch's `x.sum(1) + residual` (fp32 sum, rounded once, then the add)."""
     g = torch.Generator().manual_seed(rows * 1000 + H + S)
     x = _rand(g, rows, S, H, dtype=dtype) * 3
-    residual = _rand(g, rows, H, dtype=dtype) if with_residual else None
+    residual = _rand(g, rows, H, dtype=dtype)
     weight = _rand(g, H, dtype=dtype)
-    summands = None if with_residual else True
-    got = add_rms_norm(x, residual, weight, 1e-5, summands=summands)
-    want = add_rms_norm_ref(x, residual, weight, 1e-5, summands=summands)
-    pytorch = x.sum(1) if residual is None else x.sum(1) + residual
+    got = add_rms_norm(x, residual, weight, 1e-5)
+    want = add_rms_norm_ref(x, residual, weight, 1e-5)
+    pytorch = x.sum(1) + residual
     assert torch.equal(want[1], pytorch)
     if dtype != torch.bfloat16:
         _assert_norm_close(got, want)
@@ -102,18 +100,17 @@ def test_add_rms_norm_over_summands_matches_reference(triton_interpret, S, rows,
     _assert_norm_close(got, add_rms_norm_ref(got[1], None, weight, 1e-5))
 
 
-@pytest.mark.parametrize("with_residual", [False, True], ids=["no-residual", "residual"])
 @pytest.mark.parametrize("S", [2, 4])
-def test_add_rms_norm_over_bf16_summands_adds_each_once(triton_interpret, S, with_residual):
+def test_add_rms_norm_over_bf16_summands_adds_each_once(triton_interpret, S):
     """bf16, multiples of 1/8 below 2 in magnitude: every sum is exact in bf16, so no rounding (which the
     interpreter truncates) can hide a summand dropped or added twice; the new residual is PyTorch's bit for bit."""
     g = torch.Generator().manual_seed(S)
     grid = lambda *shape: (torch.randint(-16, 16, shape, generator=g) / 8).bfloat16()  # noqa: E731
     x, weight = grid(5, S, 2880), _rand(g, 2880, dtype=torch.bfloat16)
-    residual = grid(5, 2880) if with_residual else None
-    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5, summands=True)
-    assert torch.equal(new_residual, x.sum(1) if residual is None else x.sum(1) + residual)
-    torch.testing.assert_close(normed, add_rms_norm_ref(x, residual, weight, 1e-5, summands=True)[0],
+    residual = grid(5, 2880)
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, x.sum(1) + residual)
+    torch.testing.assert_close(normed, add_rms_norm_ref(x, residual, weight, 1e-5)[0],
                                rtol=2 ** -6, atol=1e-6)
 
 
@@ -126,7 +123,7 @@ def test_add_rms_norm_summand_form_and_shape_errors(triton_interpret):
         normed, new_residual = fn(x, None, weight, 1e-5)
         assert normed.shape == (3, 4, 64) and new_residual is x
         with pytest.raises(ValueError, match="residual of shape"):
-            fn(x, _rand(g, 4, 64), weight, 1e-5, summands=True)
+            fn(x, _rand(g, 4, 64), weight, 1e-5)
         with pytest.raises(ValueError, match="S >= 1"):
             fn(x[:, :0], _rand(g, 3, 64), weight, 1e-5)
 

@@ -28,7 +28,7 @@ from peagle_core.testing import tiny_target_config
 from peagle_core.training.data import Example
 from peagle_core.training.features import extract_features
 from peagle_core.training.losses import DepthStats
-from peagle_core.training.peagle import cod_sample, peagle_pass_loss, plan_passes
+from peagle_core.training.peagle import cod_sample, passes_to, peagle_pass_loss, plan_passes
 from peagle_core.training.trainer import DTYPES, init_drafter
 
 
@@ -70,7 +70,7 @@ def bench_partitions(n: int, partitions: list[int], num_depths: int = 8, ratio: 
     for P in partitions:
         drafter = copy.deepcopy(base)
         times, cpu, loss = [], [], 0.0
-        passes = [p.to(dev) for p in plan_passes([sample], [valid], [0], P)]
+        passes = passes_to(plan_passes([sample], [valid], [0], P), dev)
         denom = sum(len(p.charged) for p in passes)
         if dev.type == "cuda":
             torch.cuda.synchronize()

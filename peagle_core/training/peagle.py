@@ -164,10 +164,6 @@ class Pass:
         """Charged elements at each depth."""
         return [b - a for a, b in zip([0, *self.charged_ends], self.charged_ends)]
 
-    def to(self, device: torch.device | str) -> "Pass":
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Pass(**{k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in moved.items()})
-
 
 def passes_to(passes: list[Pass], device: torch.device | str) -> list[Pass]:
     """Every pass's index tensors in one host-to-device copy, from pinned memory on CUDA.
