@@ -352,7 +352,8 @@ def make_runner(target: GptOss, drafter: Drafter | None, mode: str, k: int, batc
                 device: torch.device, dtype: torch.dtype, seed: int, graphs: bool = False) -> ModelRunner:
     """A ModelRunner with room for `batch` requests, its paged caches filled with random K/V.
 
-    With `graphs`, decode-shaped steps replay CUDA graphs, each captured at its first call (a warm-up call).
+    With `graphs`, decode-shaped steps replay CUDA graphs, all captured here as the engine does (a drafter
+    step's graph is never captured lazily: it reads the target graph's buffers, which then hold a step).
     """
     if drafter is None:
         target.set_aux_layers([])  # a runner with a drafter sets them; a plain decode step computes none
@@ -364,6 +365,7 @@ def make_runner(target: GptOss, drafter: Drafter | None, mode: str, k: int, batc
             cache.normal_(generator=g)
     if graphs:
         runner.graphs = GraphRunner(runner, batch)
+        runner.graphs.capture_all()
     return runner
 
 

@@ -113,7 +113,7 @@ def test_capture_needs_cuda_and_the_engine_stays_eager_on_cpu(tiny_pair):
         GraphRunner(runner, MAX_SEQS, capture=True)
 
 
-@pytest.mark.parametrize("mode,k,draft_lens,masks", [("none", 0, None, 0), ("peagle", 3, [3, 4, 5, 6], 2),
+@pytest.mark.parametrize("mode,k,draft_lens,masks", [("none", 0, None, 0), ("peagle", 3, [], 2),
                                                      ("eagle3", 3, [1, 2, 3, 4], 0)])
 @pytest.mark.parametrize("budget", [None, 100])
 def test_capture_all_covers_every_step_shape_largest_first(tiny_pair, monkeypatch, mode, k, draft_lens, masks, budget):
@@ -121,21 +121,26 @@ def test_capture_all_covers_every_step_shape_largest_first(tiny_pair, monkeypatc
                          max_num_batched_tokens=budget)
     graphs.capture = True  # record what would be captured (capturing needs CUDA)
     order = []
-    monkeypatch.setattr("peagle_core.engine.graphs.GraphSet.capture_one",
-                        lambda self, key: (order.append((self.name, key)), self.graphs.__setitem__(key, None)))
+    record = lambda self, key: (order.append((self.name, key)), self.graphs.__setitem__(key, None))
+    monkeypatch.setattr("peagle_core.engine.graphs.GraphSet.capture_one", record)
+    monkeypatch.setattr("peagle_core.engine.graphs.DraftSteps.capture_one", record)
     assert graphs.capture_all() == len(order)
     buckets = graph_buckets(MAX_SEQS)
     want = {("target", (b, b * q)) for b in buckets for q in range(1, k + 2)}
     want |= {("drafter", (b, b * q)) for b in buckets for q in draft_lens or []}
+    if mode != "none":  # every decode step drafts inside one graph, behind the target's
+        want |= {("drafter step", (b, b * q)) for b in buckets for q in range(1, k + 2)}
     if budget:  # mixed steps: max_num_seqs + 1 requests, tokens up to the budget (+ P-EAGLE's MASK slots)
         want |= {("target", (MAX_SEQS + 1, t)) for t in token_buckets(budget)}
         if mode != "none":
             want |= {("drafter", (MAX_SEQS + 1, t)) for t in token_buckets(budget + MAX_SEQS * masks)}
     assert set(order) == want and len(order) == len(want)
-    tokens = [t for _, (_, t) in order]
-    assert tokens == sorted(tokens, reverse=True)
+    forwards = [t for name, (_, t) in order if name != "drafter step"]
+    assert forwards == sorted(forwards, reverse=True)
+    steps = [i for i, (name, _) in enumerate(order) if name == "drafter step"]
+    assert steps == list(range(len(forwards), len(order)))  # after every forward: they read the target's outputs
     if not budget:  # the largest: max_num_seqs x (K+1) or 2K
-        assert order[0][1] == (MAX_SEQS, MAX_SEQS * max(k + 1, *(draft_lens or [0])))
+        assert order[0][1] == (MAX_SEQS, MAX_SEQS * (k + 1))
     assert graphs.capture_all() == len(order) and len(order) == len(want)  # nothing captured twice
 
 
@@ -173,12 +178,12 @@ def changed_slots(cache: torch.Tensor, before: torch.Tensor) -> set[int]:
 @torch.inference_mode()
 @pytest.mark.parametrize("mixed", [False, True])
 def test_padded_forward_matches_eager_and_writes_only_real_slots(tiny_pair, mixed):
-    llm = make_llm(tiny_pair, "peagle", 3)
+    llm = make_llm(tiny_pair, "eagle3", 3)  # EAGLE-3 keeps drafter decode graphs (P-EAGLE's decode steps: below)
     runner = llm.engine.runner
     graphs = GraphRunner(runner, MAX_SEQS, capture=False, max_num_batched_tokens=64)
     for name, cache, q, run in [
         ("target", runner.target_cache, 4, lambda ids, h, meta: runner.target(ids, meta)),
-        ("drafter", runner.drafter_cache, 5, lambda ids, h, meta: runner.drafter(ids, h, meta)),
+        ("drafter", runner.drafter_cache, 4, lambda ids, h, meta: runner.drafter(ids, h, meta)),
     ]:
         cache.normal_(generator=torch.Generator().manual_seed(1))
         before = cache.clone()
@@ -210,6 +215,42 @@ def test_padded_forward_matches_eager_and_writes_only_real_slots(tiny_pair, mixe
                 torch.testing.assert_close(p, e, rtol=1e-5, atol=1e-5)
 
 
+def decode_batch(n: int, k: int, seed: int) -> list[Scheduled]:
+    """n requests with 9 + r cached tokens each verifying k drafts; request r owns blocks 4r..4r+3."""
+    g, out = torch.Generator().manual_seed(seed), []
+    for r in range(n):
+        req = Request(f"r{r}", torch.randint(0, 250, (10 + r,), generator=g).tolist(),
+                      SamplingParams(temperature=0.0))
+        req.num_computed, req.block_table = 9 + r, list(range(4 * r, 4 * r + 4))
+        req.drafts = torch.randint(0, 250, (k,), generator=g).tolist()
+        out.append(Scheduled(req, 1, k))
+    return out
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+def test_padded_drafter_step_equals_eager_and_its_dummies_write_nothing(tiny_pair, mode):
+    """A decode step of 3 requests after one of 4: the drafter step's dummy (row 3) keeps request 3's stale
+    block-table row, yet writes no K/V there; drafts and caches equal the eager runner's."""
+    k = 3
+    eager, padded = make_llm(tiny_pair, mode, k).engine.runner, make_llm(tiny_pair, mode, k).engine.runner
+    graphs = padded.graphs = GraphRunner(padded, MAX_SEQS, capture=False)
+    for runner in (eager, padded):
+        runner.target_cache.normal_(generator=torch.Generator().manual_seed(1))
+        runner.drafter_cache.normal_(generator=torch.Generator().manual_seed(2))
+    results = {}
+    for n in (4, 3):
+        before = padded.drafter_cache.clone()
+        results[n] = [r.execute(decode_batch(n, k, seed=n)) for r in (eager, padded)]
+        assert results[n][0] == results[n][1]
+        for cache, want in ((padded.drafter_cache, eager.drafter_cache), (padded.target_cache, eager.target_cache)):
+            torch.testing.assert_close(cache, want, rtol=1e-5, atol=1e-5)  # padded GEMMs: rounding only
+        # the drafter writes its verified and drafted slots (blocks of requests 0..n-1) and nothing else
+        assert {s // (4 * padded.block_size) for s in changed_slots(padded.drafter_cache, before)} == set(range(n))
+    assert graphs.draft_steps.num_replays == 2 and graphs.draft_steps.num_padded == 1
+    assert (graphs.target.block_tables[3, :4] == torch.arange(12, 16)).all()  # stale: request 3's blocks
+
+
 @pytest.mark.parametrize("mode,k", CASES)
 @pytest.mark.parametrize("budget", [None, 512])
 def test_padded_graph_path_gives_the_eager_runners_steps(tiny_pair, reference, mode, k, budget):
@@ -227,8 +268,10 @@ def test_padded_graph_path_gives_the_eager_runners_steps(tiny_pair, reference, m
     num_uniform = sum(u for u, _ in steps)
     assert 0 < num_uniform < len(steps)  # some steps hold prefill chunks
     assert graphs.target.num_replays == (len(steps) if budget else num_uniform) and graphs.target.num_padded > 0
-    if mode != "none":
-        assert graphs.drafter.num_replays >= num_uniform and graphs.drafter.num_padded > 0
+    if mode != "none":  # every decode step drafts in one (padded) graph of its own; mixed steps through the drafter's
+        assert graphs.draft_steps.num_replays == num_uniform and graphs.draft_steps.num_padded > 0
+        if budget:
+            assert graphs.drafter.num_replays >= len(steps) - num_uniform and graphs.drafter.num_padded > 0
         accepted = [a for u, r in steps if u for a in r.num_accepted]
         assert max(accepted) > 0 and len(set(accepted)) > 1  # drafts accepted and rejected inside graph steps
 
@@ -250,11 +293,13 @@ def test_cuda_graphs_give_eager_greedy_tokens_bf16(tiny_pair, reference, mode, k
         graphs = llm.engine.runner.graphs
         assert (graphs is None) == eager
         outs[eager], steps = drive(llm, reference, seed=k)
-        if not eager:
-            decode = len(graph_buckets(MAX_SEQS)) * ((k + 1) + (0 if mode == "none" else k + 1))
+        if not eager:  # target decode graphs, drafter steps behind them, EAGLE-3's drafter decode graphs
+            per_bucket = (k + 1) * {"none": 1, "peagle": 2, "eagle3": 3}[mode]
             mixed = sum(len(s.mixed_buckets) for s in graphs.sets())
-            assert graphs.num_graphs == decode + mixed and mixed > 0
+            assert graphs.num_graphs == len(graph_buckets(MAX_SEQS)) * per_bucket + mixed and mixed > 0
             assert graphs.target.num_replays == len(steps) and graphs.target.num_padded > 0  # every step
+            if mode != "none":
+                assert graphs.draft_steps.num_replays == sum(u for u, _ in steps) > 0
     assert outs[False] == outs[True]
 
 
@@ -262,11 +307,11 @@ def test_cuda_graphs_give_eager_greedy_tokens_bf16(tiny_pair, reference, mode, k
 @cuda
 @torch.inference_mode()
 def test_replayed_graph_equals_the_uncaptured_padded_forward_exactly(tiny_pair):
-    llm = make_llm(tiny_pair, "peagle", 3, device="cuda", dtype="bfloat16", enforce_eager=True)
+    llm = make_llm(tiny_pair, "eagle3", 3, device="cuda", dtype="bfloat16", enforce_eager=True)
     runner = llm.engine.runner
     assert make_graph_runner(runner, MAX_SEQS, enforce_eager=False, tensor_parallel_size=2) is None  # TP: eager
     captured, plain = GraphRunner(runner, MAX_SEQS, capture=True), GraphRunner(runner, MAX_SEQS, capture=False)
-    for name, cache, q in [("target", runner.target_cache, 4), ("drafter", runner.drafter_cache, 6)]:
+    for name, cache, q in [("target", runner.target_cache, 4), ("drafter", runner.drafter_cache, 4)]:
         cache.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
         before = cache.clone()
         ids, meta = uniform_batch(runner, [5, 17, 9], q)
@@ -285,6 +330,27 @@ def test_replayed_graph_equals_the_uncaptured_padded_forward_exactly(tiny_pair):
             assert torch.equal(cache, want_cache), name
             cache.copy_(before)
         assert (4, 4 * q) in getattr(captured, name).graphs
+
+
+@pytest.mark.gpu
+@cuda
+@torch.inference_mode()
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+def test_captured_drafter_step_equals_the_uncaptured_one_exactly(tiny_pair, mode):
+    """Whole decode steps (3 requests padded to 4) with the drafter step replayed from its graph and run
+    on the same static buffers uncaptured: the same drafts and the same caches, bit for bit."""
+    k, state = 3, {}
+    for capture in (False, True):
+        runner = make_llm(tiny_pair, mode, k, device="cuda", dtype="bfloat16", enforce_eager=True).engine.runner
+        runner.graphs = GraphRunner(runner, MAX_SEQS, capture=capture)
+        runner.graphs.capture_all()
+        for cache, seed in ((runner.target_cache, 1), (runner.drafter_cache, 2)):
+            cache.normal_(generator=torch.Generator(device="cuda").manual_seed(seed))
+        results = [runner.execute(decode_batch(n, k, seed=n)) for n in (4, 3)]
+        state[capture] = results, runner.target_cache.clone(), runner.drafter_cache.clone()
+        assert runner.graphs.draft_steps.num_replays == 2
+    assert state[True][0] == state[False][0]
+    assert torch.equal(state[True][1], state[False][1]) and torch.equal(state[True][2], state[False][2])
 
 
 @pytest.mark.gpu

@@ -5,9 +5,11 @@ A forward's shape is fixed once its requests and tokens are padded; graphs are k
   decode   every request feeds its last token plus the same k drafts (no prefill chunk): requests padded
            to a bucket (1, 2, 4, 8, 16, 24, ..., max_num_seqs), each dummy fed the same q tokens, so the
            attention kernel sees the same tiles as in the eager step;
-             target   q = 1 + k tokens per request, k = 0..K        -> up to max_num_seqs x (K+1) tokens
-             drafter  P-EAGLE: q - 1 + K slots per request (K..2K)  -> up to max_num_seqs x 2K tokens
-                      EAGLE-3: q slots, then 1 per extra pass
+             target         q = 1 + k tokens per request, k = 0..K   -> up to max_num_seqs x (K+1) tokens
+             drafter step   behind each target graph, the drafter's whole step in one more graph (`DraftSteps`):
+                            P-EAGLE's one pass over q - 1 + K slots a request (up to max_num_seqs x 2K
+                            tokens), EAGLE-3's K passes, with input preparation, LM head and argmax
+             drafter        EAGLE-3 only: q slots, then 1 per extra pass (its depths below K, mixed steps)
   mixed    anything else (prefill chunks next to decodes, unequal k): tokens padded to a bucket (16, 24, 32,
            48, ... up to the step's token budget), requests always padded to max_num_seqs + 1, the dummies
            sharing the padded tokens. This works because nothing in a forward depends on how the tokens
@@ -31,6 +33,7 @@ pre-hook on rank 0, which a replayed graph would skip.
 """
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -185,6 +188,74 @@ class GraphSet:
                 buf[:T].copy_(o)
 
 
+# (input ids [T], aux hidden [T, n_aux * H], the target's meta, next token [B], rejected drafts [B]) -> drafts [B, K]
+DraftStep = Callable[[torch.Tensor, torch.Tensor, ForwardMeta, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DraftSteps:
+    """The drafter's whole step behind each target decode graph, captured as one graph of its own.
+
+    A drafter step is ~40 small launches around its forward (draft-input preparation, fc, the hidden fill,
+    slots, the LM head, argmax, the id map): at bs 1 the host issuing them, not the GPU, set its time.
+    After the target's decode graph `key` replays, its static inputs and aux output hold the step (padded
+    with dummies), so this graph reads them in place and only the next tokens and rejected counts are
+    copied in. Only K drafts are captured (P-EAGLE always drafts K: one pass costs the same for any number
+    of MASK slots); EAGLE-3 at an adaptive depth below K runs its passes through the drafter's graphs.
+    Dummy requests (seq_len 0) write no K/V and read none (`ModelRunner.draft`).
+    """
+
+    def __init__(self, target: GraphSet, step: DraftStep, num_drafts: int, device: torch.device, capture: bool,
+                 pool=None):
+        self.name = "drafter step"
+        self.target, self.step, self.num_drafts, self.capture, self.pool = target, step, num_drafts, capture, pool
+        self.keys = {(b, b * q) for b in target.buckets for q in range(1, target.max_tokens_per_seq + 1)}
+        n = target.buckets[-1]
+        self.next_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.num_rejected = torch.zeros(n, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(n, num_drafts, dtype=torch.long, device=device)
+        self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.num_replays = self.num_padded = 0
+
+    def run(self, key: Key, num_drafts: int, next_ids: torch.Tensor, num_rejected: torch.Tensor
+            ) -> torch.Tensor | None:
+        """The drafts [B, K] of the step whose target forward just replayed graph `key`; None if not covered."""
+        if num_drafts != self.num_drafts or key not in self.keys or (self.capture and key not in self.graphs):
+            return None
+        B = next_ids.shape[0]
+        self.next_ids[:B].copy_(next_ids)
+        self.num_rejected[:B].copy_(num_rejected)
+        if self.capture:
+            self.graphs[key].replay()
+        else:
+            self._step(*key)
+        self.num_replays += 1
+        self.num_padded += key[0] > B
+        return self.drafts[:B]
+
+    def capture_one(self, key: Key) -> None:
+        num_seqs, num_tokens = key
+        self.target._pad(0, 0, num_seqs, num_tokens)  # all dummies (at start-up the buffers hold no step)
+        try:
+            self._step(num_seqs, num_tokens)  # warm-up outside the pool
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._step(num_seqs, num_tokens)
+        except Exception as e:
+            raise RuntimeError(f"CUDA graph capture of the drafter step ({num_seqs} requests, {num_tokens} target "
+                               f"tokens) failed: {type(e).__name__}: {e}; set enforce_eager=True to run eagerly") from e
+        self.graphs[key] = graph
+
+    def _step(self, num_seqs: int, T: int) -> None:
+        t = self.target
+        meta = ForwardMeta(positions=t.positions[:T], query_start_loc=t.query_start_loc[:num_seqs + 1],
+                           seq_lens=t.seq_lens[:num_seqs], slot_mapping=t.slot_mapping[:T],
+                           block_tables=t.block_tables[:num_seqs])
+        aux = t.outputs[1][:T]  # written by the target's forward of this key
+        self.drafts[:num_seqs].copy_(self.step(t.input_ids[:T], aux, meta, self.next_ids[:num_seqs],
+                                               self.num_rejected[:num_seqs]))
+
+
 class GraphRunner:
     """A ModelRunner's graphs: the target's verify forward and the drafter's forward, one memory pool."""
 
@@ -207,13 +278,20 @@ class GraphRunner:
         self.target = GraphSet("target", lambda ids, _, meta: target(ids, meta), self.buckets, K + 1, mixed(0),
                                max_blocks, None, dev, capture, self.pool)
         self.drafter: GraphSet | None = None
+        self.draft_steps: DraftSteps | None = None
         if runner.drafter is not None:
             d = runner.drafter
-            self.draft_lens = range(K, 2 * K + 1) if runner.mode == "peagle" else range(1, K + 2)
+            # Decode steps draft inside `draft_steps`. The drafter's own decode graphs serve EAGLE-3 below depth K
+            # (its first pass: q slots; later passes: 1) and the extra passes of mixed steps; P-EAGLE needs none.
+            self.draft_lens = range(1, K + 2) if runner.mode == "eagle3" else range(0)
             masks = max_num_seqs * (K - 1) if runner.mode == "peagle" else 0
-            self.drafter = GraphSet("drafter", lambda ids, h, meta: d(ids, h, meta), self.buckets, self.draft_lens[-1],
+            self.drafter = GraphSet("drafter", lambda ids, h, meta: d(ids, h, meta), self.buckets, len(self.draft_lens),
                                     mixed(masks), max_blocks, (d.config.hidden_size, d.fc.weight.dtype), dev,
                                     capture, self.pool)
+            draft = weakref.WeakMethod(runner.draft)  # no cycle through the runner (see above)
+            plain = lambda model, ids, h, meta, uniform: model(ids, h, meta)  # inside the graph: no nested replay
+            self.draft_steps = DraftSteps(self.target, lambda ids, aux, meta, nxt, rej: draft()(
+                ids, aux, meta, nxt, rej, K, True, plain), K, dev, capture, self.pool)
 
     def sets(self) -> list[GraphSet]:
         return [s for s in (self.target, self.drafter) if s is not None]
@@ -227,19 +305,23 @@ class GraphRunner:
         if self.drafter is not None:
             todo += [(self.drafter, (b, b * q)) for b in self.buckets for q in self.draft_lens]
         todo += [(s, (s.mixed_seqs, t)) for s in self.sets() for t in s.mixed_buckets]
-        for graphs, key in sorted(todo, key=lambda t: t[1][1], reverse=True):
+        # the drafter steps last: each reads a target graph's output buffer, made by the target's first capture
+        steps = [(self.draft_steps, key) for key in self.draft_steps.keys] if self.draft_steps is not None else []
+        for graphs, key in sorted(todo, key=lambda t: t[1][1], reverse=True) + sorted(steps, key=lambda t: -t[1][1]):
             if key not in graphs.graphs:
                 graphs.capture_one(key)
         return self.num_graphs
 
     @property
     def num_graphs(self) -> int:
-        return sum(len(s.graphs) for s in self.sets())
+        return sum(len(s.graphs) for s in self.sets()) + (len(self.draft_steps.graphs) if self.draft_steps else 0)
 
     def reset(self) -> None:
         """Drop every graph (after the model changed: a graph replays the modules it was captured with)."""
         for s in self.sets():
             s.graphs.clear()
+        if self.draft_steps is not None:
+            self.draft_steps.graphs.clear()
 
 
 def make_graph_runner(runner: ModelRunner, max_num_seqs: int, enforce_eager: bool,

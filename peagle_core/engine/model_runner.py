@@ -110,18 +110,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
-        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify."""
+        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify
+        (P-EAGLE always drafts K: its one pass costs the same for any number of MASK slots)."""
         inp = self._inputs(batch)
         meta = ForwardMeta(positions=inp.positions, query_start_loc=inp.query_start_loc, seq_lens=inp.seq_lens,
                            slot_mapping=inp.slot_mapping, block_tables=inp.block_tables)
-        uniform = is_uniform_decode(batch)  # no prefill, one k: the decode graphs' shape
-        hidden, aux = self._forward(self.target, inp.input_ids, None, meta, uniform)
+        # A decode step (no prefill, one k) replays the target's decode graph; its drafter step then replays too.
+        uniform = is_uniform_decode(batch)
+        key = self.graphs.target.key(len(batch), inp.input_ids.shape[0], uniform, inp.block_tables.shape[1]) \
+            if self.graphs is not None else None
+        if key is not None:
+            hidden, aux = self.graphs.target.run(inp.input_ids, None, meta, key)
+        else:
+            hidden, aux = self.target(inp.input_ids, meta)
 
         tokens, num_accepted, next_ids = self._verify(batch, hidden, inp)
         drafts = None
         if self.drafter is not None:
-            drafts = self._draft(inp, aux, next_ids, inp.num_drafts - num_accepted,
-                                 self.K if draft_len is None else max(1, draft_len), uniform)
+            n = self.K if draft_len is None or self.mode == "peagle" else min(self.K, max(1, draft_len))
+            drafts = self._draft(key, uniform, inp.input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
         return self._to_host(batch, tokens, num_accepted, drafts)
 
     def _inputs(self, batch: list[Scheduled]) -> StepInputs:
@@ -209,47 +216,60 @@ class ModelRunner:
         return uniforms, noise
 
     def _forward(self, model, input_ids, hidden, meta: ForwardMeta, uniform: bool):
-        """The target's (hidden is None) or the drafter's forward; replayed from a graph when it can be."""
-        if self.graphs is not None:
-            graphs = self.graphs.target if model is self.target else self.graphs.drafter
-            key = graphs.key(meta.seq_lens.shape[0], input_ids.shape[0], uniform, meta.block_tables.shape[1])
-            if key is not None:
-                return graphs.run(input_ids, hidden, meta, key)
-        return model(input_ids, meta) if hidden is None else model(input_ids, hidden, meta)
+        """A drafter forward outside a captured drafter step: replayed from a graph when one fits."""
+        graphs = self.graphs.drafter if self.graphs is not None else None
+        key = graphs.key(meta.seq_lens.shape[0], input_ids.shape[0], uniform, meta.block_tables.shape[1]) \
+            if graphs is not None else None
+        return graphs.run(input_ids, hidden, meta, key) if key is not None else model(input_ids, hidden, meta)
 
-    def _draft(self, inp: StepInputs, aux, next_ids, num_rejected, draft_len: int, uniform: bool = False):
-        dev, K, B = self.device, self.K, inp.seq_lens.shape[0]
-        input_ids, positions, qsl, seq_lens, block_tables = (inp.input_ids, inp.positions, inp.query_start_loc,
-                                                             inp.seq_lens, inp.block_tables)
-        drafter = self.drafter
-        # P-EAGLE drafts what the next step will verify, in one pass (K when the depth is fixed);
-        # EAGLE-3's first pass has only the bonus slot.
-        P = min(K, draft_len) if self.mode == "peagle" else 1
+    def _draft(self, key, uniform: bool, input_ids, aux, meta: ForwardMeta, next_ids, num_rejected, n: int):
+        """The drafter step: one graph replay behind a target decode graph (`key`), else eagerly."""
+        steps = self.graphs.draft_steps if key is not None else None
+        drafts = steps.run(key, n, next_ids, num_rejected) if steps is not None else None  # None: not covered
+        if drafts is None:
+            drafts = self.draft(input_ids, aux, meta, next_ids, num_rejected, n, uniform, self._forward)
+        return drafts
+
+    def draft(self, input_ids, aux, meta: ForwardMeta, next_ids, num_rejected, n: int, uniform: bool,
+              forward) -> torch.Tensor:
+        """The drafter's step after verification: `n` drafts per request [B, n], from the target's step inputs
+        (`meta`), its aux hidden states, the next token and the rejected-draft count of each request.
+
+        `forward(drafter, ids, hidden, meta, uniform)` runs a drafter forward (`uniform`: a decode step's shape). The whole step is also captured
+        as one graph behind the target's decode graphs (`graphs.DraftSteps`), where dummy requests
+        (seq_len 0) pad the batch: they must write no K/V (their block-table rows are stale) and read none."""
+        dev, B, drafter = self.device, meta.seq_lens.shape[0], self.drafter
+        live = meta.seq_lens > 0
+        num_rejected = num_rejected * live  # a dummy's stale count could exceed its tokens
+        # P-EAGLE drafts all n in one pass; EAGLE-3's first pass has only the bonus slot.
+        P = n if self.mode == "peagle" else 1
         mask_id = self.mask_token_id if self.mode == "peagle" else 0
+        qsl = meta.query_start_loc
         d_ids, d_pos, is_rejected, is_masked, sample_idx, hidden_map = prepare_draft_inputs(
-            input_ids, positions, next_ids, qsl, num_rejected, mask_id, P)
+            input_ids, meta.positions, next_ids, qsl, num_rejected, mask_id, P)
         target_h = drafter.combine(aux)
         shared = self.shared_hidden if self.shared_hidden is not None else torch.zeros_like(target_h[0])
         hidden = fill_hidden(target_h, hidden_map, is_masked, shared)
         d_qsl = qsl + torch.arange(B + 1, device=dev) * (P - 1)
-        d_seq = (seq_lens + P - 1 - num_rejected).clamp(max=self.max_model_len)
+        d_seq = (meta.seq_lens + P - 1 - num_rejected).clamp(max=self.max_model_len) * live
         req = torch.repeat_interleave(torch.arange(B, device=dev), d_qsl[1:] - d_qsl[:-1], output_size=d_ids.shape[0])
-        slots = self.slots(d_pos, req, block_tables, valid=~is_rejected)
-        meta = ForwardMeta(positions=d_pos, query_start_loc=d_qsl, seq_lens=d_seq, slot_mapping=slots,
-                           block_tables=block_tables)
-        normed, prenorm = self._forward(drafter, d_ids, hidden, meta, uniform)
+        slots = self.slots(d_pos, req, meta.block_tables, valid=~is_rejected & live[req])
+        d_meta = ForwardMeta(positions=d_pos, query_start_loc=d_qsl, seq_lens=d_seq, slot_mapping=slots,
+                             block_tables=meta.block_tables)
+        normed, prenorm = forward(drafter, d_ids, hidden, d_meta, uniform)
         logits = drafter.compute_logits(normed[sample_idx])
         first = drafter.to_target_ids(logits.argmax(-1)).view(B, P)
         if self.mode == "peagle":
             return first
-        # EAGLE-3: K-1 more passes, one token per request, feeding back the drafter's own pre-norm state.
+        # EAGLE-3: n-1 more passes, one token per request, feeding back the drafter's own pre-norm state.
         out, h, last_pos = [first[:, 0]], prenorm[sample_idx], d_pos[sample_idx]
         ar = torch.arange(B + 1, device=dev)
-        for i in range(1, min(draft_len, K)):
+        for i in range(1, n):
             p = last_pos + i
-            meta = ForwardMeta(positions=p, query_start_loc=ar, seq_lens=(p + 1).clamp(max=self.max_model_len),
-                               slot_mapping=self.slots(p, ar[:-1], block_tables), block_tables=block_tables)
-            normed, h = self._forward(drafter, out[-1], h, meta, True)  # one token per request: uniform
+            meta_i = ForwardMeta(positions=p, query_start_loc=ar, seq_lens=(p + 1).clamp(max=self.max_model_len) * live,
+                                 slot_mapping=self.slots(p, ar[:-1], meta.block_tables, valid=live),
+                                 block_tables=meta.block_tables)
+            normed, h = forward(drafter, out[-1], h, meta_i, True)  # one token per request: uniform
             out.append(drafter.to_target_ids(drafter.compute_logits(normed).argmax(-1)))
         return torch.stack(out, dim=1)
 
