@@ -19,6 +19,17 @@ Step-time table (JSON, `adaptive_sweep.py steps` writes it, on CPU or on the H20
      "seconds_none":  {"<B>": T(B)},                            # no drafter, optional
      "profile": {"points": {"<tokens>": s}, "draft_pass": s, "per_k_draft": false}}   # optional
 A profile alone (`{"points": ..., "draft_pass": ...}`) also works: T(B, k) = target(B (1 + k)) + draft.
+
+A measured engine sweep (`adaptive_sweep.py sweep` JSON, `--steps` pointing at it) also works: its fixed-K
+cells' mean step time (wall / steps, median over rounds) at each concurrency is T(C, k) for k = 1, 3, 5, 7,
+linear in k in between (k = 0 extrapolated), the same for the depth-K engine and the fixed-K engines (the engine
+drafts what it verifies, so a depth-7 engine verifying k costs about what a depth-k engine does). Approximate:
+those means include the cells' prefill steps and the drain at the end of a level. What the adaptive policy was
+profiled with at start-up is not in a sweep; `--start-up-depth-scale R` hands it a grid that charges R x the
+measured cost of depth (T(B, 0) + R (T(B, k) - T(B, 0))), the shape error the H200 sweep's policy had.
+
+`adaptive_level` is the adaptive policy with the level-only correction of its step-time grid and no
+exploration: the policy as it was before the grid learnt its shape across k, for before/after comparisons.
 """
 from __future__ import annotations
 
@@ -26,6 +37,8 @@ import argparse
 import bisect
 import datetime as _dt
 import json
+import random
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,9 +46,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from adaptive_sweep import (POLICIES_DEFAULT, STEPS_FORMAT, AcceptanceReplay, Trace, _ints, _names,  # noqa: E402
-                            command_line, fixed_ks, fixed_policy, request_lengths, tune_batch_table,
+                            command_line, fixed_ks, fixed_policy, level_only, request_lengths, tune_batch_table,
                             write_report)
-from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid, StepTimeModel  # noqa: E402
+from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel  # noqa: E402
 from peagle_core.spec.baselines import BatchSizeTable, EmaTiers  # noqa: E402
 from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome  # noqa: E402
 
@@ -44,6 +57,8 @@ class StepTable:
     """T(B, k) from a measured grid (linear in B between measured batch sizes) or from a profile."""
 
     def __init__(self, d: dict[str, Any]):
+        if d.get("kind") == "measured" and "cells" in d:  # an engine sweep: its fixed-K cells' step times
+            d = sweep_step_table(d)
         self.source = d
         if "seconds" in d:
             if d.get("format") not in (None, STEPS_FORMAT):
@@ -82,14 +97,47 @@ class StepTable:
             raise ValueError(f"the step-time table covers k <= {self.K}, not {k}")
         return _interp({b: row[k] for b, row in self.grid.items()}, B)
 
-    def start_up_model(self) -> "StepGrid | StepTimeModel":
+    def start_up_model(self, depth_scale: float = 1.0) -> "StepGrid | StepTimeModel":
         """What the adaptive policy gets at start-up. The engine profiles whole steps per batch bucket and k
         (`profile_step_grid`), the measurement this table's grid is, so a grid is handed over as such
         (the engine takes fewer repetitions, so its start-up grid is noisier); a profile-only table
-        gives the token-count model."""
+        gives the token-count model. `depth_scale` != 1 charges that multiple of the measured cost of depth
+        (a start-up profile whose shape across k is wrong)."""
         if self.grid is not None:
-            return StepGrid({b: list(row) for b, row in self.grid.items()})
+            return StepGrid({b: [row[0] + depth_scale * (t - row[0]) for t in row] for b, row in self.grid.items()})
         return _profile_model(self.profile)
+
+
+def sweep_step_table(sweep: dict[str, Any]) -> dict[str, Any]:
+    """A step-time table from a measured sweep's fixed-K cells (see the module docstring for what it is)."""
+    per: dict[tuple[int, int], list[float]] = {}
+    for c in sweep.get("cells_by_round") or sweep["cells"]:
+        f = fixed_policy(c["policy"]) if c.get("status") == "ok" and c.get("steps") else None
+        if f is not None and f[1] is None:
+            per.setdefault((c["concurrency"], f[0]), []).append(c["wall_s"] / c["steps"])
+    ks = sorted({k for _, k in per})
+    if len(ks) < 2:
+        raise ValueError("the sweep needs fixed-K cells at two depths at least to give step times per k")
+    K = ks[-1]
+    rows = {}
+    for C in sorted({C for C, _ in per}):
+        have = {k: statistics.median(per[C, k]) for k in ks if (C, k) in per}
+        if len(have) < 2:
+            continue
+        rows[str(C)] = [_interp_k(have, k) for k in range(K + 1)]
+    return {"format": STEPS_FORMAT, "K": K, "seconds": rows, "seconds_fixed": rows,
+            "device": sweep.get("device", "?"), "shape": sweep.get("shape", "?"), "mode": sweep.get("mode", "?"),
+            "machine": sweep.get("machine", {}), "date": sweep.get("date"), "statistic": "sweep cells: wall / steps, "
+            "median over rounds, fixed-K engines, linear in k between measured depths",
+            "command": f"(from the engine sweep) {sweep.get('command', '?')}"}
+
+
+def _interp_k(have: dict[int, float], k: int) -> float:
+    """Linear in k through the measured depths, the nearest segment's slope outside them (k = 0 included)."""
+    ks = sorted(have)
+    i = min(max(bisect.bisect_left(ks, k), 1), len(ks) - 1)
+    k0, k1 = ks[i - 1], ks[i]
+    return have[k0] + (have[k1] - have[k0]) * (k - k0) / (k1 - k0)
 
 
 def _grid(d: dict[str, list]) -> dict[int, list[float]]:
@@ -117,13 +165,18 @@ def _interp(by_b: dict[int, float], B: int) -> float:
     return by_b[b0] + (by_b[b1] - by_b[b0]) * (B - b0) / (b1 - b0)
 
 
-def make_policy(name: str, K: int, table: StepTable, batch_table: list | None) -> DepthPolicy:
+def make_policy(name: str, K: int, table: StepTable, batch_table: list | None, depth_scale: float = 1.0,
+                seed: int = 0) -> DepthPolicy:
     if name == "none":
         return FixedDepth(0)
     if (f := fixed_policy(name)) is not None:
         return FixedDepth(f[0])
     if name == "adaptive":
-        return AdaptiveDepth(K, table.start_up_model())
+        return AdaptiveDepth(K, table.start_up_model(depth_scale), explore=Exploration(seed=seed))
+    if name == "adaptive_level":  # before the shape correction: the level only, no exploration
+        policy = AdaptiveDepth(K, table.start_up_model(depth_scale))
+        level_only(policy)
+        return policy
     if name == "batch_table":
         if not batch_table:
             raise ValueError("batch_table needs the fixed-K cells first (or --batch-table)")
@@ -134,9 +187,11 @@ def make_policy(name: str, K: int, table: StepTable, batch_table: list | None) -
 
 
 def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: int, K: int, waves: int,
-             max_tokens: int, seed: int) -> dict[str, Any]:
-    """One closed-loop level; the same throughput window and TPOT as the engine sweep."""
-    n = C * waves
+             max_tokens: int, seed: int, jitter: float = 0.0, min_requests: int = 0) -> dict[str, Any]:
+    """One closed-loop level; the same throughput window and TPOT as the engine sweep. `jitter`: each step's
+    time is the table's times a uniform factor in 1 +- jitter (seeded: every policy sees the same draws)."""
+    n = max(C * waves, min_requests)
+    noise = random.Random(seed + 7 * C)
     lengths = request_lengths(n, max_tokens, seed)
     replay = AcceptanceReplay(trace, max(K, 1) if K else trace.K)
     clock, admitted = 0.0, 0
@@ -156,7 +211,7 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         B = len(active)
         info = StepInfo(num_verify=B, num_prefill_tokens=0, max_k=K)
         k = policy.choose(info) if K else 0
-        dt = table.time(B, k, name)
+        dt = table.time(B, k, name) * (1.0 + jitter * (2.0 * noise.random() - 1.0))
         accepted, emitted, finished = [], 0, []
         for r in active:
             acc = min(replay.run_length(r["id"]), k) if k else 0
@@ -224,11 +279,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             if name == "batch_table":
                 tables[label] = bt
             for C in a.concurrency:
-                pol = make_policy(name, K, table, bt)
+                pol = make_policy(name, K, table, bt, a.start_up_depth_scale, a.seed)
                 f = fixed_policy(name)
                 kk = 0 if name == "none" else (f[1] or f[0]) if f else K
                 cell = {"scenario": label, "policy": name, "concurrency": C, "K": kk, "status": "ok"}
-                cell.update(simulate(pol, name, table, trace, C, kk, a.waves, a.max_tokens, a.seed))
+                cell.update(simulate(pol, name, table, trace, C, kk, a.waves, a.max_tokens, a.seed, a.step_jitter,
+                                     a.min_requests))
+                if isinstance(pol, AdaptiveDepth) and pol.decisions:
+                    cell["explored_share"] = pol.explored / pol.decisions
                 sc_cells.append(cell)
         cells += sc_cells
     return {"kind": "simulation", "command": command_line(), "date": _dt.date.today().isoformat(),
@@ -236,7 +294,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "machine": table.source.get("machine", {}), "step_table": {k: v for k, v in table.source.items()
                                                                      if k not in ("machine",)},
             "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
-            "waves": a.waves, "scenarios": scenarios, "batch_tables": tables, "cells": cells,
+            "waves": a.waves, "min_requests": a.min_requests, "step_jitter": a.step_jitter,
+            "start_up_depth_scale": a.start_up_depth_scale, "scenarios": scenarios, "batch_tables": tables,
+            "cells": cells,
             "notes": [f"Step times: `{a.steps}` ({table.source.get('shape', '?')} shape, "
                       f"{table.source.get('mode', '?')}, "
                       f"measured on {table.source.get('device', '?')}; command `{table.source.get('command', '?')}`). "
@@ -247,12 +307,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                       "start-up step-time model: " + ("the table's grid (the engine profiles the same whole-step "
                                                       "measurement at start-up, with fewer repetitions), refined "
                                                       "online." if table.grid is not None else
-                                                      "the table's token-count profile, refined online.")]}
+                                                      "the table's token-count profile, refined online.")
+                      + (f" Start-up grid distorted: it charges {a.start_up_depth_scale:g} x the table's cost of depth "
+                         "(T(B, 0) + R (T(B, k) - T(B, 0))); the simulated steps cost what the table says."
+                         if a.start_up_depth_scale != 1.0 else "")
+                      + (f" Step times jittered by a uniform factor in 1 +- {a.step_jitter:g} per step (seeded)."
+                         if a.step_jitter else "")
+                      + (" adaptive_level = the adaptive policy before the shape correction (level-only grid "
+                         "correction, no exploration)." if "adaptive_level" in a.policies else "")]}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", required=True, help="step-time table JSON")
+    ap.add_argument("--steps", required=True, help="step-time table JSON, or a measured sweep's JSON")
     ap.add_argument("--trace", action="append", required=True,
                     help="acceptance trace JSON or synthetic:A[,A2,...] (repeat: one scenario each)")
     ap.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
@@ -262,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--waves", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-requests", type=int, default=0, help="at least this many requests a level (as the sweep)")
+    ap.add_argument("--step-jitter", type=float, default=0.0, help="uniform +- fraction on each simulated step time")
+    ap.add_argument("--start-up-depth-scale", type=float, default=1.0,
+                    help="the adaptive policies' start-up grid charges this multiple of the table's cost of depth")
     ap.add_argument("--out", required=True)
     ap.add_argument("--stem", default="adaptive_sim")
     a = ap.parse_args(argv)

@@ -456,7 +456,7 @@ def policy_spec(policy: str, models: Models, max_k: int, batch_table: list | Non
             raise ValueError(f"{policy}: k must be in 1..depth")
         return base | {"num_speculative_tokens": f[1] or f[0]}
     base["num_speculative_tokens"] = max_k
-    if policy == "adaptive":
+    if policy in ("adaptive", "adaptive_level"):  # adaptive_level: the sweep switches its shape learning off
         return base | {"depth_policy": "adaptive"}
     if policy == "batch_table":
         if not batch_table:
@@ -464,7 +464,7 @@ def policy_spec(policy: str, models: Models, max_k: int, batch_table: list | Non
         return base | {"num_speculative_tokens_per_batch_size": batch_table}
     if policy == "ema_tiers":
         return base | {"depth_policy": "ema_tiers"}
-    raise ValueError(f"unknown policy {policy!r} (none, K<k>, adaptive, batch_table, ema_tiers)")
+    raise ValueError(f"unknown policy {policy!r} (none, K<k>, adaptive, adaptive_level, batch_table, ema_tiers)")
 
 
 def request_lengths(n: int, max_tokens: int, seed: int) -> list[int]:
@@ -581,6 +581,25 @@ def combine_rounds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def level_only(policy) -> None:
+    """The adaptive policy as it was before its step-time grid learnt the shape across k: live steps rescale
+    the grid's rows (the level) only, and it never explores. For before/after cells in one sweep."""
+    from peagle_core.spec.adaptive import Exploration
+
+    policy.times.learn_shape = False
+    policy.explore = Exploration.off()
+
+
+def grid_summary(policy) -> dict[str, Any] | None:
+    """The adaptive policy's step-time grid in ms: as profiled at start-up and as learnt by the end of the
+    cell (level and shape), so the shape error the live steps found is on record."""
+    g = getattr(policy, "times", None)
+    if g is None or not hasattr(g, "profile"):
+        return None
+    return {"batch_sizes": g.sizes, "profiled_ms": [[round(1e3 * t, 4) for t in row] for row in g.profile],
+            "learnt_ms": [[round(1e3 * g.cell(r, k), 4) for k in range(g.K + 1)] for r in range(len(g.sizes))]}
+
+
 def cell_summary(engine) -> dict[str, Any]:
     d = engine.policy.describe()
     steps = d.get("steps", 0.0)
@@ -591,6 +610,9 @@ def cell_summary(engine) -> dict[str, Any]:
     if d.get("predicted_steps"):
         out["predicted_over_realized_tokens"] = d["predicted_tokens"] / max(d.get("predicted_realized_tokens", 0), 1)
         out["predicted_over_measured_step_time"] = d["predicted_step_seconds"] / max(d["measured_step_seconds"], 1e-12)
+        out["explored_share"] = d.get("explored_steps", 0.0) / steps if steps else 0.0
+        if (grid := grid_summary(engine.policy)) is not None:
+            out["step_grid"] = grid
     return out
 
 
@@ -669,6 +691,8 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
             from peagle_core.spec.depth import FixedDepth
 
             engine.policy = FixedDepth(f[0])  # benchmark only: k < K on a depth-K engine
+        if policy == "adaptive_level":  # benchmark only: the adaptive policy before its grid learnt the shape
+            level_only(engine.policy)
         log(f"[sweep] {policy}: engine built in {time.perf_counter() - t_build:.1f}s "
             f"({type(engine.policy).__name__}, K={engine.K}, round {rnd + 1}/{a.rounds})")
         fresh = copy.deepcopy(engine.policy)
@@ -800,7 +824,8 @@ def _spread(xs: list[float]) -> float:
 def comparison_lines(cells: list[dict[str, Any]], fixed: list[int], conc: list[int], depth: int | None = None
                      ) -> list[str]:
     """Throughput of each adaptive/baseline policy over the best fixed cell at each concurrency, and the bar."""
-    pols = [p for p in ("adaptive", "batch_table", "ema_tiers") if any(c["policy"] == p for c in cells)]
+    pols = [p for p in ("adaptive", "adaptive_level", "batch_table", "ema_tiers")
+            if any(c["policy"] == p for c in cells)]
     bars = {p: {b["concurrency"]: b for b in bar_rows(cells, fixed, conc, policy=p, depth=depth)} for p in pols}
     if not pols or not any(bars.values()):
         return []

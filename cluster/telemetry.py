@@ -66,6 +66,9 @@ class ReplicaMetrics:
         # The depth policy (speculative decoding): the chosen k, its inputs, predicted vs realised.
         self.depth_steps = Counter("peagle_speculation_steps_total", "Decode steps by the speculation depth k chosen",
                                    tag_keys=keys + ("k",))
+        self.explored_steps = Counter("peagle_speculation_explored_steps_total", "Decode steps on which the "
+                                      "adaptive policy ran its runner-up k to measure it (exploration)",
+                                      tag_keys=keys)
         self.depth_mean = Gauge("peagle_speculation_depth_mean", "Mean k over the decode steps of the last poll "
                                 "interval", tag_keys=keys)
         self.policy_batch = Gauge("peagle_speculation_policy_batch_size", "Requests verifying in the step of the "
@@ -192,6 +195,9 @@ class ReplicaMetrics:
                 for _ in range(int(d)):  # one observation per request-step, exactly as counted
                     self.tokens_per_verify.observe(n, tags=t)
                 self._add(f"tokens_per_request_step.{key.split('.', 1)[1]}", d)
+            elif key == "explored_steps":
+                self.explored_steps.inc(d, tags=t)
+                self._add("speculation_explored_steps_total", d)
 
         def interval_mean(num: str, den: str) -> float | None:
             n, m = delta.get(num, 0.0), delta.get(den, 0.0)
@@ -221,7 +227,7 @@ class ReplicaMetrics:
 
 
 _TALLY_KEYS = ("steps", "depth_sum", "realized_tokens", "step_seconds", "predicted_steps", "predicted_tokens",
-               "predicted_step_seconds")
+               "predicted_step_seconds", "explored_steps")
 
 
 def speculation_span_attributes(spec: Any, num_generated: int | None) -> dict[str, float | int]:

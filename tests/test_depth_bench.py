@@ -103,6 +103,22 @@ def test_sweep_runs_a_tiny_grid_on_cpu(tiny_pair, tmp_path):
     assert (out / "sweep.png").stat().st_size > 1000
 
 
+def test_sweep_runs_the_level_only_adaptive_policy_beside_the_new_one(tmp_path):
+    """`adaptive_level` (benchmark only): the adaptive engine with its grid's shape learning and exploration off,
+    for before/after cells in one sweep; adaptive cells record their grid as profiled and as learnt."""
+    out = tmp_path / "level"
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--max-tokens", "10", "--waves", "2", "--prompt-len", "8",
+                 "--policies", "K1,K3,adaptive,adaptive_level", "--out", str(out)])
+    assert rc == 0
+    cells = {c["policy"]: c for c in json.loads((out / "sweep.json").read_text())["cells"]}
+    assert cells["adaptive_level"]["explored_share"] == 0.0
+    for name in ("adaptive", "adaptive_level"):
+        grid = cells[name]["step_grid"]
+        assert grid["batch_sizes"] == [1, 2] and len(grid["profiled_ms"][0]) == len(grid["learnt_ms"][0]) == 4  # K = 3
+    assert "adaptive_level / best" in (out / "sweep.md").read_text()
+
+
 def test_rounds_are_interleaved_and_combined_by_median(tmp_path, capsys):
     """--rounds 3: every policy runs once per round (policies interleaved, not one after the other) and each
     cell reports the median of its rounds with every round's throughput kept."""
@@ -184,3 +200,37 @@ def test_step_table_is_measured_and_feeds_the_simulation(tiny_pair, tmp_path):
                                                                for C in (1, 2)}
     assert adaptive_sim.main(["--steps", str(table), "--trace", "synthetic:0.5", "--policies", "K3",
                               "--out", str(out)]) == 2  # deeper than the table: a clear error, not a traceback
+
+
+def test_simulation_replays_a_measured_sweeps_step_times(tmp_path):
+    """A measured sweep's JSON as the step-time source: its fixed-K cells' mean step times (wall / steps, the
+    median over rounds) give T(C, k), linear in k between the measured depths; the adaptive policies can start
+    from a grid that under-charges depth, and `adaptive_level` (the policy before the shape correction) runs
+    beside `adaptive`."""
+    cells = []
+    for C, base in ((1, 4e-3), (4, 8e-3)):
+        for K, per_k in ((1, 0.0), (3, 1e-3)):
+            for rnd, slow in enumerate((1.0, 1.0, 3.0)):  # one slow round: the median ignores it
+                cells.append({"policy": f"K{K}", "concurrency": C, "round": rnd, "status": "ok", "steps": 100,
+                              "wall_s": 100 * (base + per_k) * slow})
+    sweep = {"kind": "measured", "shape": "20b", "mode": "peagle", "device": "cuda", "cells": [],
+             "cells_by_round": cells}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    table = adaptive_sim.StepTable.load(tmp_path / "sweep.json")
+    assert table.K == 3
+    assert [table.time(4, k) for k in range(4)] == pytest.approx([7.5e-3, 8e-3, 8.5e-3, 9e-3])  # k = 0 extrapolated
+    assert table.start_up_model(depth_scale=0.5).step(4, 3) == pytest.approx(7.5e-3 + 0.5 * 1.5e-3)
+    out = tmp_path / "sim"
+    assert adaptive_sim.main(["--steps", str(tmp_path / "sweep.json"), "--trace", "synthetic:0.5",
+                              "--concurrency", "1,4", "--policies", "K1,K3,adaptive,adaptive_level",
+                              "--start-up-depth-scale", "0.5", "--step-jitter", "0.02", "--min-requests", "8",
+                              "--max-tokens", "16", "--waves", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "adaptive_sim.json").read_text())
+    by = {(c["policy"], c["concurrency"]): c for c in res["cells"]}
+    assert set(by) == {(p, C) for p in ("K1", "K3", "adaptive", "adaptive_level") for C in (1, 4)}
+    assert all(by[("adaptive", C)]["requests"] == 8 for C in (1, 4))
+    assert by[("adaptive_level", 4)]["explored_share"] == 0.0
+    md = (out / "adaptive_sim.md").read_text()
+    assert "adaptive_level / best" in md and "charges 0.5 x" in md
+    with pytest.raises(ValueError, match="two depths"):
+        adaptive_sim.StepTable({"kind": "measured", "cells": [c for c in cells if c["policy"] == "K1"]})

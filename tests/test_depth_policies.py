@@ -261,3 +261,168 @@ def test_grid_profile_verifies_the_drafters_own_proposals():
     profile_step_grid(FakeRunner(), max_batch=2, K=3, context=32)
     assert len(verified) == 4 * 3 * (1 + 2)  # four passes, k = 1..3, 1 + 2 requests (B = 1 and 2)
     assert all(d == [7, 8, 9][:len(d)] for d in verified)
+
+
+# --------------------------------------------------------------------------------------------
+# The grid's shape across k, learnt live; exploration (synthetic step times, no model)
+# --------------------------------------------------------------------------------------------
+
+TRACE_RATES = [0.52, 0.38, 0.45, 0.55, 0.69, 0.84, 0.88]  # benchmarks/traces/tiny_peagle_k7.json, per position
+
+
+def _expected_tokens(k: int, rates: list[float]) -> float:
+    total, run = 1.0, 1.0
+    for a in rates[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def _drive(p, true_ms, batch: int, rates: list[float], steps: int, seed: int = 0, noise: float = 0.03) -> list[int]:
+    """`steps` decode steps at `batch` requests: acceptance drawn per position at `rates`, step times from
+    `true_ms` (rows by batch size, linear in between) with +-`noise` uniform jitter. Returns the k chosen."""
+    import random
+
+    rng, info, ks = random.Random(seed), StepInfo(batch, 0, 7), []
+    sizes = sorted(true_ms)
+    for _ in range(steps):
+        k = p.choose(info)
+        ks.append(k)
+        accepted = []
+        for _ in range(batch):
+            a = 0
+            while a < k and rng.random() < rates[a]:
+                a += 1
+            accepted.append((k, a))
+        p.observe(info, StepOutcome(k, accepted, _true(true_ms, sizes, batch, k) * (1 + noise * (2 * rng.random() - 1)),
+                                    batch * (1 + k)))
+    return ks
+
+
+def _true(true_ms, sizes, batch: int, k: int) -> float:
+    lo = max(b for b in sizes if b <= batch)
+    hi = min(b for b in sizes if b >= batch)
+    if lo == hi:
+        return true_ms[lo][k]
+    w = (batch - lo) / (hi - lo)
+    return (1 - w) * true_ms[lo][k] + w * true_ms[hi][k]
+
+
+@pytest.mark.parametrize("batch", [16, 12])
+def test_live_steps_learn_the_shape_across_k_when_the_profile_under_charges_depth(batch):
+    """The H200 sweep's fault, synthetic: the start-up profile charges 0.1 ms a draft at 16 requests, the live
+    steps 1 ms (depth costs 10x what was profiled), with the sweep's replayed acceptance. The profile's best k is
+    7, the true best 2 (k = 7 gives 0.8x its goodput). Rescaling rows (the level) cannot fix that: matched at the
+    deep k the policy runs, the shallow k stay over-charged, and before the shape correction the policy never
+    left k >= 6 in 300 steps. Now it must move to the true best and predict it. Batch 12 sits between the rows
+    for 8 and 16 (the step is interpolated, so both rows learn)."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+
+    profiled = {1: [5.0 + 0.02 * k for k in range(8)], 8: [8.0 + 0.05 * k for k in range(8)],
+                16: [10.0 + 0.1 * k for k in range(8)]}
+    true_ms = {1: [5.0 + 0.2 * k for k in range(8)], 8: [8.0 + 0.5 * k for k in range(8)],
+               16: [10.0 + 1.0 * k for k in range(8)]}
+    sizes = sorted(true_ms)
+
+    def best_k(ms) -> int:
+        return max(range(8), key=lambda k: _expected_tokens(k, TRACE_RATES) / _true(ms, sizes, batch, k))
+
+    true_best, profiled_best = best_k(true_ms), best_k(profiled)
+    assert true_best == 2 and profiled_best == 7
+    p = AdaptiveDepth(7, StepGrid(profiled))
+    ks = _drive(p, true_ms, batch, TRACE_RATES, 300)
+    last = ks[-100:]
+    assert max(set(last), key=last.count) == true_best and last.count(true_best) >= 80
+    assert p.times.step(batch, true_best) == pytest.approx(_true(true_ms, sizes, batch, true_best), rel=0.05)
+    goodput = [_expected_tokens(k, TRACE_RATES) / _true(true_ms, sizes, batch, k) for k in last]
+    assert sum(goodput) / len(goodput) >= 0.97 * _expected_tokens(true_best, TRACE_RATES) / _true(
+        true_ms, sizes, batch, true_best)
+
+
+def test_an_error_common_to_every_k_moves_the_level_not_the_shape():
+    """A profile 30% slow at every k: whichever k the live steps run, the error is the same, so it is the
+    level's; the shape stays flat (exactly, without jitter) and every k, observed or not, ends up right."""
+    from peagle_core.spec.adaptive import StepGrid
+
+    true_ms = [10.0 + 0.5 * k for k in range(8)]
+    g = StepGrid({1: [5.0] * 8, 16: [1.3 * t for t in true_ms]})
+    for _ in range(5):
+        g.observe(16 * 3, 2, true_ms[2], 16)
+    assert g.shape[1] == [0.0] * 8  # one k observed: nothing relative to learn, the level-only behaviour
+    for i in range(60):  # two depths alternating, a third now and then
+        k = 6 if i % 10 == 0 else (2, 5)[i % 2]
+        g.observe(16 * (1 + k), k, true_ms[k], 16)
+    assert max(abs(s) for s in g.shape[1]) < 1e-9
+    assert [g.step(16, k) for k in range(8)] == pytest.approx(true_ms, rel=0.01)
+
+
+def test_with_jitter_a_uniformly_slow_profile_keeps_its_shape_under_the_policy():
+    """The same through the policy, exploring, with 3% jitter: the learnt shape stays within the jitter and
+    the choice is the true best (the shape corrections must not invent a preference of their own)."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+
+    true_ms = {1: [5.0 + 0.1 * k for k in range(8)], 16: [10.0 + 0.6 * k for k in range(8)]}
+    p = AdaptiveDepth(7, StepGrid({b: [1.3 * t for t in row] for b, row in true_ms.items()}))
+    ks = _drive(p, true_ms, 16, TRACE_RATES, 300)
+    assert max(abs(s) for s in p.times.shape[1]) < 0.03
+    true_best = max(range(8), key=lambda k: _expected_tokens(k, TRACE_RATES) / true_ms[16][k])
+    last = ks[-100:]
+    assert max(set(last), key=last.count) == true_best
+    assert [p.times.step(16, k) for k in range(8)] == pytest.approx(true_ms[16], rel=0.04)
+
+
+def test_one_stalled_step_moves_the_grid_by_a_bounded_factor():
+    """A 10x stall (a GC pause, a late compile): the level moves by at most 1 + 0.2 x (2 - 1) = 1.2x (it moved
+    by 2.8x before the clip), and a cell's shape by at most a share of 1.5x."""
+    from peagle_core.spec.adaptive import StepGrid
+
+    g = StepGrid({16: [10.0 + k for k in range(8)]})
+    for k in (1, 3) * 10:
+        g.observe(16 * (1 + k), k, 10.0 + k, 16)
+    before = [g.step(16, k) for k in range(8)]
+    g.observe(16 * 4, 3, 10 * 13.0, 16)
+    after = [g.step(16, k) for k in range(8)]
+    assert all(1.0 <= a / b <= 1.2 * 1.5 for a, b in zip(after, before))
+    assert after[0] / before[0] == pytest.approx(1.2, rel=0.05)
+
+
+def test_exploration_is_bounded_reported_and_deterministic():
+    """Flat goodput (every draft accepted, step time in proportion to 1 + k: every alternative within the
+    margin): the policy explores, but never more than `cap` of its decode steps, and not an alternative
+    measured lately; each exploratory step is flagged in `describe()` and counted in the tally; the sequence of
+    choices depends on the seed alone; the token-count model (which learns no shape) gets none."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel
+
+    flat = {16: [2.5 * (1 + k) for k in range(8)]}
+
+    def run(explore: Exploration) -> tuple[AdaptiveDepth, list[int], list[float]]:
+        p = AdaptiveDepth(7, StepGrid(dict(flat)), explore=explore)
+        ks, flags = [], []
+        for _ in range(2000):
+            info = StepInfo(16, 0, 7)
+            k = p.choose(info)
+            ks.append(k)
+            flags.append(p.describe()["explored"])
+            p.observe(info, StepOutcome(k, [(k, k)] * 16, flat[16][k], 16 * (1 + k)))
+        return p, ks, flags
+
+    def within_budget(flags: list[float], cap: float) -> bool:
+        running = [sum(flags[:n]) for n in range(1, len(flags) + 1)]
+        return all(done <= cap * n for n, done in enumerate(running, 1))  # at no point beyond the budget
+
+    default = Exploration()
+    p, ks, flags = run(default)
+    assert 0 < sum(flags) <= default.cap * len(flags) and within_budget(flags, default.cap)
+    assert p.describe()["explored_steps"] == sum(flags) == p.explored
+    assert run(Exploration())[1] == ks and run(Exploration(seed=1))[1] != ks
+    # Without the freshness rule and with certain exploration, the hard cap is what binds.
+    eager = Exploration(near=1.0, far=1.0, cap=0.05, fresh=float("inf"))
+    eager_flags = run(eager)[2]
+    assert within_budget(eager_flags, 0.05) and sum(eager_flags) >= 0.045 * len(eager_flags)
+    # The freshness rule: an alternative measured lately is passed over for the next one, so exploration
+    # spreads over several k instead of re-measuring the runner-up every time.
+    _, stale_ks, stale_flags = run(Exploration(fresh=float("inf")))
+    assert len({k for k, f in zip(stale_ks, stale_flags) if f}) == 1
+    assert len({k for k, f in zip(ks, flags) if f}) >= 3
+    assert sum(run(Exploration.off())[2]) == 0
+    assert AdaptiveDepth(7, StepTimeModel({16: 1.0, 128: 2.0})).explore == Exploration.off()

@@ -61,7 +61,8 @@ def test_poll_exports_policy_inputs_and_tallies():
               "predicted_tokens_per_s": 300.0, "accept_rate_1": 0.5, "accept_rate_2": 0.25,
               "steps": 10.0, "depth_sum": 25.0, "steps_at_k.2": 5.0, "steps_at_k.3": 5.0, "realized_tokens": 50.0,
               "step_seconds": 0.2, "predicted_steps": 10.0, "predicted_tokens": 60.0, "predicted_step_seconds": 0.25,
-              "tokens_per_verify.1": 20.0, "tokens_per_verify.2": 10.0, "tokens_per_verify.3": 5.0}
+              "tokens_per_verify.1": 20.0, "tokens_per_verify.2": 10.0, "tokens_per_verify.3": 5.0,
+              "explored_steps": 2.0, "explored": 1.0}
     m.poll({"speculation_depth": 3, "policy": policy})
     snap = m.snapshot()
     assert snap["speculation_steps_total.2"] == snap["speculation_steps_total.3"] == 5
@@ -73,10 +74,13 @@ def test_poll_exports_policy_inputs_and_tallies():
     assert snap["speculation_policy_batch_size"] == 4.0
     assert snap["speculation_acceptance_estimate.2"] == 0.25
     assert snap["tokens_per_request_step.1"] == 20
+    assert snap["speculation_explored_steps_total"] == 2
     # A second poll exports differences and interval means, not the totals again.
-    later = dict(policy, steps=14.0, depth_sum=29.0, **{"steps_at_k.1": 4.0}, realized_tokens=58.0)
+    later = dict(policy, steps=14.0, depth_sum=29.0, **{"steps_at_k.1": 4.0}, realized_tokens=58.0,
+                 explored_steps=3.0)
     m.poll({"speculation_depth": 1, "policy": later})
     snap = m.snapshot()
+    assert snap["speculation_explored_steps_total"] == 3  # counted by difference, like the steps
     assert snap["speculation_steps_total.1"] == 4 and snap["speculation_steps_total.2"] == 5
     assert snap["speculation_depth_mean"] == 1.0 and snap["speculation_realized_tokens_per_step"] == 2.0
 

@@ -15,6 +15,8 @@ tokens plus a drafter pass) remains for profiles of that form.
 from __future__ import annotations
 
 import bisect
+import math
+import random
 from dataclasses import dataclass, field
 
 from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome
@@ -102,26 +104,53 @@ class StepTimeModel:
         self.times = rescaled(self.times, ratio, self.smoothing)
 
 
+# StepGrid's shape learning (see its docstring).
+SHAPE_PRIOR = 0.5                # pseudo-observations behind a cell's borrowed estimate at its first look
+SHAPE_STEP_CLIP = math.log(1.5)  # one step moves a cell's estimate by at most this factor's share
+
+
 class StepGrid:
     """T(B, k) measured at start-up on real verify steps (`profile_step_grid`): B requests, each feeding
     1 + k tokens after a cached context, through the runner's whole step (target, sampling, drafter;
     CUDA graphs where the engine uses them). Linear in B between profiled batch sizes (the last slope
-    past them), exact in k. Live decode steps refine its level, not its shape: the ratio of each measured
-    to predicted step time rescales the whole rows it was interpolated from. Correcting only the cell of
-    the k that ran would favour whichever k the policy happened to choose first: a profile that runs 30%
-    slow everywhere (start-up jitter, clocks) leaves every other k 30% too dear, and the policy stays on
-    its first choice (on the H200 sweep: mean k 1.7 at 16 requests, where k = 7 was best).
+    past them), exact in k.
+
+    Live decode steps correct it in two parts, so that neither can lock the policy onto its first choice:
+
+    - the LEVEL (`rows`): the ratio of each measured to predicted step time rescales the whole rows it was
+      interpolated from. Correcting only the cell of the k that ran would favour whichever k the policy
+      happened to choose first: a profile that runs 30% slow everywhere (start-up jitter, clocks) leaves
+      every other k 30% too dear, and the policy stays on its first choice (on the H200 sweep: mean k 1.7 at
+      16 requests, where k = 7 was best).
+    - the SHAPE across k (`shape`): per (row, k) cell, a forgetful mean of log(measured / profiled), taken
+      against the start-up profile (`profile`, never rescaled) so that the level's own movements do not
+      leak into it. A cell's shape correction is its mean minus the evidence-weighted mean of the row's
+      observed cells: an error common to every k observed is the level's business and moves no cell, only
+      differences between k do. The level alone never learnt that the profile under-charged depth (on the
+      H200 sweep the policy verified 6-7 drafts at 2-8 requests where 1 was best: the level matched the deep
+      steps it ran, and the shallow ones stayed over-charged). A row whose live steps all ran at one k has
+      no shape correction at all (the relative part is not observable), which is exactly the level-only
+      behaviour above; `AdaptiveDepth` explores a little so that other cells get measured.
+      A cell never run takes the error of the nearest cell that was (a profile that under-charges depth
+      usually does so smoothly, so the cell next door is the best guess, as in `AcceptanceEstimate`).
 
     The step is what the policy pays for, so it is measured whole: a model of the target's token count
     alone misses the attention over the context, the drafter's dependence on B (and, for P-EAGLE's
     input, on k) and the sampling, and on a CPU it was off by 2x either way."""
 
-    def __init__(self, times: dict[int, list[float]], smoothing: float = 0.2):
+    def __init__(self, times: dict[int, list[float]], smoothing: float = 0.2, shape_decay: float = 0.98,
+                 learn_shape: bool = True):
         if not times or any(len(row) != len(next(iter(times.values()))) for row in times.values()):
             raise ValueError("a step grid needs rows of T(B, k) for k = 0..K, the same K for every batch size")
         self.sizes = sorted(times)
         self.rows = [list(times[b]) for b in self.sizes]
         self.K, self.smoothing = len(self.rows[0]) - 1, smoothing
+        self.profile = [list(row) for row in self.rows]  # the start-up profile: what shape errors are taken against
+        self.shape_decay, self.learn_shape = shape_decay, learn_shape
+        n = len(self.sizes)
+        self.log_err = [[0.0] * (self.K + 1) for _ in range(n)]   # forgetful mean of log(measured / profiled)
+        self.evidence = [[0.0] * (self.K + 1) for _ in range(n)]  # its (decayed) weight; 0 = never observed
+        self.shape = [[0.0] * (self.K + 1) for _ in range(n)]     # log shape correction per cell (0: none)
 
     def _weights(self, batch: int) -> list[tuple[int, float]]:
         """(row, weight) pairs whose weighted sum is the linear interpolation (or extrapolation) at `batch`."""
@@ -137,23 +166,74 @@ class StepGrid:
         w = (batch - s[i - 1]) / (s[i] - s[i - 1])
         return [(i - 1, 1.0 - w), (i, w)]
 
+    def evidence_at(self, batch: int, k: int) -> float:
+        """How much live evidence (decayed steps) the cells behind T(batch, k) hold."""
+        return sum(w * self.evidence[r][min(k, self.K)] for r, w in self._weights(max(batch, 1)) if 0 < w <= 1)
+
+    def cell(self, r: int, k: int) -> float:
+        """The current estimate of row r's step time at k: level-corrected profile times shape correction."""
+        return self.rows[r][k] * math.exp(self.shape[r][k])
+
     def step(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         k = min(k, self.K)
         # A deeper verify never costs less than a shallower one: the running max over k keeps timing
         # noise in the profile from making some k look cheaper than k - 1.
-        t = sum(w * max(self.rows[r][:k + 1]) for r, w in self._weights(max(batch, 1)))
+        t = sum(w * max(self.cell(r, j) for j in range(k + 1)) for r, w in self._weights(max(batch, 1)))
         if prefill_tokens:  # prompt tokens in the same step: the marginal cost of a verified token
             top = self.rows[-1]
             t += prefill_tokens * max(top[-1] - top[0], 0.0) / max(self.sizes[-1] * self.K, 1)
         return t
 
     def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
-        if batch <= 0 or k > self.K or num_tokens > batch * (1 + k):
+        if batch <= 0 or k > self.K or num_tokens > batch * (1 + k) or seconds <= 0:
             return  # a step with prompt tokens in it does not measure T(B, k)
-        ratio = seconds / self.step(batch, k)
-        for r, w in self._weights(batch):
-            if 0 < w <= 1:
-                self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
+        weights = [(r, w) for r, w in self._weights(batch) if 0 < w <= 1]
+        # One stalled step (a GC pause, a late compile) must not multiply a whole row: the linear update
+        # below would scale a row by 1 + 0.2 (r - 1), 2.8x for a 10x stall. Halving or doubling is plenty
+        # for a genuine level error to be pulled in within a few steps.
+        ratio = min(max(seconds / self.step(batch, k), 0.5), 2.0)
+        profiled = sum(w * self.profile[r][k] for r, w in self._weights(batch))
+        if self.learn_shape and profiled > 0:
+            self._learn_shape(weights, k, math.log(seconds / profiled))
+        for r, w in weights:
+            self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
+
+    def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_err: float) -> None:
+        """Fold one step's log(measured / profiled) into the cells (r, k) it was interpolated from."""
+        for r, w in weights:
+            err = self.log_err[r]
+            decay = self.shape_decay ** w  # forget per step of this row, so a cell tracks a drifting workload
+            ev = self.evidence[r] = [e * decay for e in self.evidence[r]]
+            if ev[k] == 0 and any(ev):
+                # A first look at this cell starts from what it was predicted with (its nearest observed
+                # neighbour's error), worth `SHAPE_PRIOR` observations: one noisy step does not set it alone.
+                err[k], ev[k] = _borrowed(err, ev, k), SHAPE_PRIOR
+            if ev[k] > 0:  # a stalled step moves a cell by a bounded factor, never by the stall
+                log_err = err[k] + min(max(log_err - err[k], -SHAPE_STEP_CLIP), SHAPE_STEP_CLIP)
+            ev[k] += w
+            err[k] += (w / ev[k]) * (log_err - err[k])  # a mean over the (forgetful) evidence
+            self.shape[r] = _relative_shape(err, ev)
+
+
+def _borrowed(log_err: list[float], evidence: list[float], k: int) -> float:
+    """The log error of the observed cell nearest to k (the mean of both at equal distance)."""
+    seen = [j for j, e in enumerate(evidence) if e > 0 and j != k]
+    d = min(abs(j - k) for j in seen)
+    near = [log_err[j] for j in seen if abs(j - k) == d]
+    return sum(near) / len(near)
+
+
+def _relative_shape(log_err: list[float], evidence: list[float]) -> list[float]:
+    """Per k: the cell's log error (the nearest observed cell's where it has none) minus the
+    evidence-weighted mean over the observed cells. Subtracting the mean leaves what differs between k;
+    the common part is left to the level."""
+    seen = [k for k, e in enumerate(evidence) if e > 0]
+    total = sum(evidence[k] for k in seen)
+    if len(seen) < 2 or total <= 0:
+        return [0.0] * len(log_err)  # one k observed (or none): nothing relative to learn
+    mean = sum(evidence[k] * log_err[k] for k in seen) / total
+    return [(log_err[k] if evidence[k] > 0 else _borrowed(log_err, evidence, k)) - mean
+            for k in range(len(log_err))]
 
 
 def rescaled(times: list[float], ratio: float, rate: float) -> list[float]:
@@ -227,13 +307,48 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
     return StepGrid({B: [times[B, k] for k in range(K + 1)] for B in sizes})
 
 
+@dataclass
+class Exploration:
+    """How often the adaptive policy runs another k than its best guess. `StepGrid` learns the shape of
+    T(B, k) across k only from the k it sees run, and a policy that only ever runs its favourite never finds
+    out that another k is relatively cheaper than profiled (the H200 sweep's fault). The alternative run is
+    the best-ranked k after the favourite (the one that could overturn the choice, usually a neighbour) whose
+    cells hold less than `fresh` recent evidence (one step measured at that batch size fades below it in
+    about 20 steps): the cheapest informative measurement. Once it is measured, k's further away borrow its
+    correction (`StepGrid`), so the policy can walk, or jump, toward the truly best k.
+
+    Cost is bounded twice: an alternative within `margin` of the best predicted goodput is run with
+    probability `near`, costing at most `margin` on those steps by the model's own account; a farther one only
+    with probability `far`; and exploratory steps never exceed `cap` of the decode steps (a hard budget).
+    Deterministic for a given `seed` (tests, simulations)."""
+
+    margin: float = 0.03
+    near: float = 0.20
+    far: float = 0.03
+    cap: float = 0.10
+    fresh: float = 1.0  # an alternative whose cells hold this much recent evidence is not run again yet
+    seed: int = 0
+
+    @classmethod
+    def off(cls) -> "Exploration":
+        return cls(near=0.0, far=0.0, cap=0.0)
+
+
 class AdaptiveDepth(DepthPolicy):
-    def __init__(self, K: int, times: "StepTimeModel | StepGrid", k_min: int = 0, prior: float = 0.6):
+    def __init__(self, K: int, times: "StepTimeModel | StepGrid", k_min: int = 0, prior: float = 0.6,
+                 explore: Exploration | None = None):
         if not 0 <= k_min <= K:
             raise ValueError(f"adaptive depth bounds must satisfy 0 <= min <= K, got {k_min}..{K}")
         self.K, self.k_min, self.times = K, k_min, times
         self.acceptance = AcceptanceEstimate(K, prior=prior)
         self.last: dict[str, float] = {}
+        # Exploring only pays where the step-time model learns per k (a grid); the token-count model
+        # learns one level from any step, so it gets none.
+        self.explore = explore if explore is not None else Exploration()
+        if not getattr(times, "learn_shape", False):
+            self.explore = Exploration.off()
+        self.rng = random.Random(self.explore.seed)
+        self.decisions = self.explored = 0  # decode-step choices, and how many of them explored
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
@@ -242,17 +357,42 @@ class AdaptiveDepth(DepthPolicy):
         K = min(self.K, info.max_k)
         if info.num_verify == 0:
             return K  # nothing to verify: the choice only sets how far EAGLE-3 drafts
-        best = max(range(min(self.k_min, K), K + 1),
-                   key=lambda k: (self.goodput(info.num_verify, k, info.num_prefill_tokens), -k))
-        tokens = info.num_verify * self.acceptance.expected_tokens(best)
-        seconds = self.times.step(info.num_verify, best, info.num_prefill_tokens)
-        self.last = {"k": best, "batch": info.num_verify, "predicted_tokens_per_step": tokens,
+        goodput = {k: self.goodput(info.num_verify, k, info.num_prefill_tokens)
+                   for k in range(min(self.k_min, K), K + 1)}
+        ranked = sorted(goodput, key=lambda k: (goodput[k], -k), reverse=True)
+        alt = self._alternative(ranked, info.num_verify)
+        explored = alt is not None and self._explores(goodput[ranked[0]], goodput[alt])
+        k = alt if explored else ranked[0]
+        self.decisions += 1
+        self.explored += explored
+        tokens = info.num_verify * self.acceptance.expected_tokens(k)
+        seconds = self.times.step(info.num_verify, k, info.num_prefill_tokens)
+        self.last = {"k": k, "batch": info.num_verify, "predicted_tokens_per_step": tokens,
                      "predicted_step_s": seconds, "predicted_tokens_per_s": tokens / seconds,
+                     "explored": float(explored),
                      **{f"accept_rate_{j + 1}": a for j, a in enumerate(self.acceptance.rates())}}
-        return best
+        return k
+
+    def _alternative(self, ranked: list[int], batch: int) -> int | None:
+        """The best-ranked k after the favourite whose cells were not measured lately: re-measuring what was
+        just measured says little, and when the runner-up is fresh the informative k is often the next one
+        (the other side of the favourite)."""
+        if self.explore.cap <= 0:
+            return None
+        return next((k for k in ranked[1:] if self.times.evidence_at(batch, k) < self.explore.fresh), None)
+
+    def _explores(self, best: float, alternative: float) -> bool:
+        """Whether this step runs the alternative: by chance (`near` if its predicted goodput is within
+        `margin` of the best, `far` otherwise), within the hard budget."""
+        e = self.explore
+        draw = self.rng.random()  # drawn before the budget check: the budget never shifts later draws
+        if self.explored + 1 > e.cap * (self.decisions + 1):
+            return False
+        return draw < (e.near if alternative >= (1.0 - e.margin) * best else e.far)
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
-        self.record(info, outcome, self.last.get("predicted_tokens_per_step"), self.last.get("predicted_step_s"))
+        self.record(info, outcome, self.last.get("predicted_tokens_per_step"), self.last.get("predicted_step_s"),
+                    explored=bool(self.last.get("explored")))
         self.acceptance.observe(outcome.accepted)
         if info.num_verify:  # k = 0 steps too: they are how the model learns what not speculating costs
             self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)

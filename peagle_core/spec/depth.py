@@ -44,14 +44,16 @@ class DepthTally:
     predicted_step_seconds: float = 0.0
     measured_step_seconds: float = 0.0  # the same steps, as measured
     predicted_realized_tokens: int = 0  # the same steps, as realised
+    explored_steps: int = 0           # steps that ran another k than the policy's best guess, to measure it
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
-               predicted_step_s: float | None = None) -> None:
+               predicted_step_s: float | None = None, explored: bool = False) -> None:
         if info.num_verify == 0:
             return  # prefill only: k just sets how far EAGLE-3 drafts
         k = outcome.k
         self.steps += 1
         self.depth_sum += k
+        self.explored_steps += explored
         _bump(self.steps_at_k, k)
         # The engine lists only requests that verified drafts; the others (k = 0, or drafts capped by
         # max_tokens) emitted exactly one token each.
@@ -71,7 +73,7 @@ class DepthTally:
     def as_dict(self) -> dict[str, float]:
         d = {name: float(getattr(self, name)) for name in (
             "steps", "depth_sum", "realized_tokens", "step_seconds", "predicted_steps", "predicted_tokens",
-            "predicted_step_seconds", "measured_step_seconds", "predicted_realized_tokens")}
+            "predicted_step_seconds", "measured_step_seconds", "predicted_realized_tokens", "explored_steps")}
         d.update({f"steps_at_k.{k}": float(n) for k, n in enumerate(self.steps_at_k) if n})
         d.update({f"tokens_per_verify.{n}": float(c) for n, c in enumerate(self.tokens_per_verify) if c})
         return d
@@ -109,8 +111,8 @@ class DepthPolicy:
         return t
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
-               predicted_step_s: float | None = None) -> None:
-        self.tally.record(info, outcome, predicted_tokens, predicted_step_s)
+               predicted_step_s: float | None = None, explored: bool = False) -> None:
+        self.tally.record(info, outcome, predicted_tokens, predicted_step_s, explored)
 
 
 class FixedDepth(DepthPolicy):
