@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks/, one section per lent-machine call (each well inside 10 minutes).
 # Results land in $OUT (the device tool brings them back); run from the repository root:
-#   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, routing, drafter GEMMs by M, skinny GEMM vs
-#                                        # cuBLAS (into gemm_m.json: $OUT keeps its 8 files), `peagle bench`
+#   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, routing, drafter GEMMs by M, `peagle bench`
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
@@ -24,8 +23,7 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
 GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
-           tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py
-           tests/test_kernels_linear.py"
+           tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py"
 
 train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; its log and a tarball into $OUT
   local dir=$1 name; name=$(basename "$1"); shift
@@ -44,7 +42,6 @@ case "${1:-}" in
     timeout 130 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 8
     timeout 30 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
     timeout 60 python3 benchmarks/gemm_m.py --out "$OUT" > /dev/null 2>&1
-    timeout 40 python3 benchmarks/linear.py --out "$OUT" --into gemm_m.json 2>&1 | tail -n 28
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tail -n 40
     ;;
   moe-tiles)  # one H200: MoE launch shapes at decode sizes (docs/benchmarks/moe_tiles.*)

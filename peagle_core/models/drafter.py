@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.linear import linear
 from peagle_core.config import DrafterConfig
 from peagle_core.models.layers import Attention, ForwardMeta, RMSNorm, Rotary, llama_inv_freq
 
@@ -67,15 +66,14 @@ class Drafter(nn.Module):
             if cfg.mask_token_id is not None else None
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """Fuse the target's auxiliary hidden states [T, n_aux * H_t] into the drafter width (`fc`; decode sizes
-        take the Triton skinny GEMM on a GPU, see `kernels.linear`)."""
-        return linear(aux, self.fc.weight, self.fc.bias)
+        """Fuse the target's auxiliary hidden states [T, n_aux * H_t] into the drafter width."""
+        return self.fc(aux)
 
     def shared_hidden(self) -> torch.Tensor:
         """P-EAGLE's learned shared hidden state, projected like a real slot: fc(mask_hidden) [H]."""
         if self.mask_hidden is None:
             raise ValueError("this drafter has no mask_hidden / mask token id: it was not trained for parallel drafting")
-        return linear(self.mask_hidden.view(-1), self.fc.weight, self.fc.bias)
+        return self.fc(self.mask_hidden.view(-1))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: ForwardMeta
                 ) -> tuple[torch.Tensor, torch.Tensor]:

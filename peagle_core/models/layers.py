@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from kernels.attention import paged_attention, varlen_attention
-from kernels.linear import linear
 from kernels.norm import add_rms_norm
 from kernels.rope import apply_rope, rope_write_kv
 
@@ -170,7 +169,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         T = x.shape[0]
         if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv).split(self.qkv_sizes, -1)  # decode sizes: one Triton launch on a GPU
+            q, k, v = torch.nn.functional.linear(x, *self.qkv).split(self.qkv_sizes, -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -183,7 +182,7 @@ class Attention(nn.Module):
             q, k = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 meta.positions, self.sinks, self.sliding_window, self.scale)
-            return self.out_proj(o.reshape(T, -1))
+            return self.o_proj(o.reshape(T, -1))
         q, k = self.rotary(q, k, meta.positions)
         if meta.attn_mask is not None:
             if meta.kv_prefix is not None:
@@ -195,12 +194,7 @@ class Attention(nn.Module):
         else:
             o = varlen_attention(q, k, v, meta.query_start_loc, meta.positions, self.sinks,
                                  self.sliding_window, self.scale, meta.max_seqlen)
-        return self.out_proj(o.reshape(T, -1))
-
-    def out_proj(self, o: torch.Tensor) -> torch.Tensor:
-        """`o_proj(o)` through `kernels.linear.linear`: at decode sizes on a GPU one Triton launch with the bias
-        fused, where cuBLAS runs a split-K GEMM and a reduce kernel; elsewhere `o_proj`'s own F.linear."""
-        return linear(o, self.o_proj.weight, self.o_proj.bias)
+        return self.o_proj(o.reshape(T, -1))
 
 
 def pack_qkv(model: nn.Module) -> None:
