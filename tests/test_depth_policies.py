@@ -179,6 +179,23 @@ def test_engine_profiles_whole_steps_for_the_adaptive_policy(tiny_pair):
     assert llm.engine.blocks.num_free == llm.engine.blocks.num_blocks  # the profile took no blocks
 
 
+def test_grid_profile_steps_replay_the_cuda_graphs_like_live_decode_steps(tiny_pair):
+    """Every profiled step takes the graph path (here uncaptured: the padded static buffers on CPU). The
+    engine's KV cache holds one block more per request than max_model_len needs; a synthetic block table
+    that wide fit no graph, and on the H200 every profiled step ran eagerly (a flat, host-bound grid)."""
+    from peagle_core.engine.graphs import GraphRunner
+    from peagle_core.spec.adaptive import profile_step_grid
+
+    llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, max_model_len=128, speculative_config={
+        "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True})
+    runner = llm.engine.runner
+    assert runner.target_cache.shape[2] // 4 > 128 // runner.block_size  # the cache the engine sizes
+    graphs = runner.graphs = GraphRunner(runner, 4, capture=False)
+    profile_step_grid(runner, max_batch=4, K=3, context=32)
+    steps = 3 + 4 * 3 * 4  # drafter proposals at B = 1, 2, 4, then 4 passes x 3 sizes x k = 0..3
+    assert graphs.target.num_replays == steps and graphs.draft_steps.num_replays == steps
+
+
 @pytest.mark.parametrize("model", ["grid", "tokens"])
 def test_live_steps_rescale_the_whole_model_so_a_slow_profile_cannot_lock_in_the_first_k(model):
     """A start-up profile 30% slow everywhere (jitter, clocks: seen on the H200) and an acceptance prior below

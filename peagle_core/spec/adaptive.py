@@ -268,7 +268,10 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
         b *= 2
     sizes.append(max_batch)
     bs, num_blocks = runner.block_size, runner.target_cache.shape[2]
-    per_req = num_blocks // max_batch
+    # At most the blocks of one max_model_len sequence a request: a wider block table than any request can
+    # have is not a shape the CUDA graphs cover, and every profiled step ran eagerly (on the H200 sweeps a
+    # flat ~20 ms host-bound grid at every B and k, where the graphs replay 3-10 ms steps).
+    per_req = min(num_blocks // max_batch, -(-runner.max_model_len // bs))
     ctx = min(context, per_req * bs - 2 * K - 2, runner.max_model_len - 2 * K - 2)
     if ctx < 1:
         raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) is too small to profile {max_batch} requests")
