@@ -73,6 +73,20 @@ def is_uniform_decode(batch: list[Scheduled]) -> bool:
     return bool(batch) and all(s.num_new == 1 and s.samples and s.num_drafts == k for s in batch)
 
 
+def capture_graph(run: Callable[[], None], pool, what: str) -> torch.cuda.CUDAGraph:
+    """Warm `run` up outside the pool (Triton compiles, lazy caches and workspaces fill), then capture it."""
+    try:
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            run()
+    except Exception as e:
+        raise RuntimeError(f"CUDA graph capture of {what} failed: {type(e).__name__}: {e}; "
+                           f"set enforce_eager=True to run eagerly") from e
+    return graph
+
+
 class GraphSet:
     """The graphs of one forward (target or drafter) and the static buffers they read and write."""
 
@@ -130,16 +144,8 @@ class GraphSet:
         """Warm up, then capture the forward of `num_seqs` dummy requests sharing `num_tokens` into the shared pool."""
         num_seqs, num_tokens = key
         self._pad(0, 0, num_seqs, num_tokens)  # all dummies: the warm-up writes no K/V and reads none
-        try:
-            self._forward(num_seqs, num_tokens)  # warm-up outside the pool: Triton compiles, lazy caches fill
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(num_seqs, num_tokens)
-        except Exception as e:
-            raise RuntimeError(f"CUDA graph capture of the {self.name} forward ({num_seqs} requests, {num_tokens} tokens) "
-                               f"failed: {type(e).__name__}: {e}; set enforce_eager=True to run eagerly") from e
-        self.graphs[key] = graph
+        self.graphs[key] = capture_graph(lambda: self._forward(num_seqs, num_tokens), self.pool,
+                                         f"the {self.name} forward ({num_seqs} requests, {num_tokens} tokens)")
 
     def _load(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta,
               num_seqs: int, num_tokens: int) -> None:
@@ -174,11 +180,14 @@ class GraphSet:
                 qsl.clamp_(max=num_tokens)
         self.seq_lens[B:num_seqs].zero_()
 
-    def _forward(self, num_seqs: int, T: int) -> None:
-        meta = ForwardMeta(positions=self.positions[:T], query_start_loc=self.query_start_loc[:num_seqs + 1],
+    def meta(self, num_seqs: int, T: int) -> ForwardMeta:
+        """The static buffers' metadata for `num_seqs` requests sharing T tokens."""
+        return ForwardMeta(positions=self.positions[:T], query_start_loc=self.query_start_loc[:num_seqs + 1],
                            seq_lens=self.seq_lens[:num_seqs], slot_mapping=self.slot_mapping[:T],
                            block_tables=self.block_tables[:num_seqs])
-        outs = self.forward(self.input_ids[:T], None if self.hidden is None else self.hidden[:T], meta)
+
+    def _forward(self, num_seqs: int, T: int) -> None:
+        outs = self.forward(self.input_ids[:T], None if self.hidden is None else self.hidden[:T], self.meta(num_seqs, T))
         if self.outputs is None:  # the first call is a warm-up or an uncaptured run, never a capture
             n = self.input_ids.shape[0]
             self.outputs = [None if o is None else torch.empty(n, *o.shape[1:], dtype=o.dtype, device=o.device)
@@ -235,24 +244,13 @@ class DraftSteps:
     def capture_one(self, key: Key) -> None:
         num_seqs, num_tokens = key
         self.target._pad(0, 0, num_seqs, num_tokens)  # all dummies (at start-up the buffers hold no step)
-        try:
-            self._step(num_seqs, num_tokens)  # warm-up outside the pool
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._step(num_seqs, num_tokens)
-        except Exception as e:
-            raise RuntimeError(f"CUDA graph capture of the drafter step ({num_seqs} requests, {num_tokens} target "
-                               f"tokens) failed: {type(e).__name__}: {e}; set enforce_eager=True to run eagerly") from e
-        self.graphs[key] = graph
+        self.graphs[key] = capture_graph(lambda: self._step(num_seqs, num_tokens), self.pool,
+                                         f"the drafter step ({num_seqs} requests, {num_tokens} target tokens)")
 
     def _step(self, num_seqs: int, T: int) -> None:
         t = self.target
-        meta = ForwardMeta(positions=t.positions[:T], query_start_loc=t.query_start_loc[:num_seqs + 1],
-                           seq_lens=t.seq_lens[:num_seqs], slot_mapping=t.slot_mapping[:T],
-                           block_tables=t.block_tables[:num_seqs])
         aux = t.outputs[1][:T]  # written by the target's forward of this key
-        self.drafts[:num_seqs].copy_(self.step(t.input_ids[:T], aux, meta, self.next_ids[:num_seqs],
+        self.drafts[:num_seqs].copy_(self.step(t.input_ids[:T], aux, t.meta(num_seqs, T), self.next_ids[:num_seqs],
                                                self.num_rejected[:num_seqs]))
 
 
