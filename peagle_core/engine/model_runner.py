@@ -235,9 +235,10 @@ class ModelRunner:
         """The drafter's step after verification: `n` drafts per request [B, n], from the target's step inputs
         (`meta`), its aux hidden states, the next token and the rejected-draft count of each request.
 
-        `forward(drafter, ids, hidden, meta, uniform)` runs a drafter forward (`uniform`: a decode step's shape). The whole step is also captured
-        as one graph behind the target's decode graphs (`graphs.DraftSteps`), where dummy requests
-        (seq_len 0) pad the batch: they must write no K/V (their block-table rows are stale) and read none."""
+        `forward(drafter, ids, hidden, meta, uniform)` runs a drafter forward (`uniform`: a decode step's shape).
+        The whole step is also captured as one graph behind the target's decode graphs (`graphs.DraftSteps`),
+        where dummy requests (seq_len 0) pad the batch: they must write no K/V (their block-table rows are
+        stale) and read none."""
         dev, B, drafter = self.device, meta.seq_lens.shape[0], self.drafter
         live = meta.seq_lens > 0
         num_rejected = num_rejected * live  # a dummy's stale count could exceed its tokens
