@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
+#   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt)
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
@@ -28,7 +29,7 @@ GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_
 train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; its log and a tarball into $OUT
   local dir=$1 name; name=$(basename "$1"); shift
   PEAGLE_TRITON=0 timeout "${HEADS_TIMEOUT:-330}" python3 scripts/tiny/train_pair.py \
-    --target peagle_core/assets/tiny/target --regen-data "${REGEN_DATA:-data/regen.jsonl}" --stop-after heads \
+    --target "${TARGET:-peagle_core/assets/tiny/target}" --regen-data "${REGEN_DATA:-data/regen.jsonl}" --stop-after heads \
     --out "$dir" "$@" \
     > "$OUT/$name.log" 2>&1
   tail -n 3 "$OUT/$name.log"
@@ -79,12 +80,20 @@ case "${1:-}" in
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
     ;;
+  pair-pretrain)  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt). Its checkpoint comes back in
+                  # 15 MB parts (16 MiB a file): `cat target.tgz.* | tar xz -C data` gives data/target, then
+                  # `TARGET=data/target ... pair-heads` (carry data/target too) trains heads on its answers
+    timeout "${PRETRAIN_TIMEOUT:-560}" python3 scripts/tiny/pretrain.py --tokens data/tiny_tokens.pt --out /tmp/target \
+      --minutes "${PRETRAIN_MINUTES:-8.5}" > "$OUT/pretrain.log" 2>&1
+    tail -n 3 "$OUT/pretrain.log"
+    tar czf - -C /tmp target | split -b 15m - "$OUT/target.tgz."
+    ;;
   pair-heads)  # two H200s: the target answers many more prompts (one shard a GPU; carry data/big, written by
                # `prepare_data.py --out data/big --per-doc 12 --num-prompts 100000 --num-code-prompts 100000`),
                # then the P-EAGLE and EAGLE-3 heads, one a GPU
     for i in 0 1; do
       CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
-        --target peagle_core/assets/tiny/target --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
+        --target "${TARGET:-peagle_core/assets/tiny/target}" --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
         --regen-shard "$i/2" --regen-minutes "${REGEN_MINUTES:-2.2}" --regen-batch 512 > "$OUT/regen$i.log" 2>&1 &
     done
     wait
