@@ -1,17 +1,26 @@
 """Where a bs-1 step's time goes on the GPU: kernel times from torch.profiler, 20B shape, random weights.
 
     python benchmarks/profile_step.py --out "$OUT"        # one H200, about a minute
+    python benchmarks/profile_step.py --pdl --out "$OUT"  # and the decode graph again with PEAGLE_PDL=1
 
 For a plain decode step and a verify step of k = 7, each replayed from CUDA graphs and run eagerly, and the
 P-EAGLE drafter's step (`peagle bench`'s random 4-layer head) after a verify of K = 1 and K = 7 drafts, from
 graphs: the step's wall time (CUDA events, median), the sum of its kernels' times, and the kernels grouped by
 name (calls and microseconds per step). Wall time minus kernel time is what launches and gaps between kernels
 cost. Writes profile.json and profile.md.
+
+--pdl adds the decode step from CUDA graphs with PEAGLE_PDL=1 (every Triton kernel launched with programmatic
+dependent launch, `kernels/dispatch.py`), right after the one without: a fresh runner, since the kernels read
+PEAGLE_PDL at launch, i.e. when the graphs are captured. Compare wall times: with PDL a kernel starts before its
+predecessor ends and waits inside, so the profiler's kernel times include that wait and "gaps" shrink by
+construction.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.dispatch import use_pdl  # noqa: E402
 from peagle_core.bench import (Layout, build_random, capture_draft_call, decode_step_bytes,  # noqa: E402
                                drafter_config, make_runner, measure, release_caches, synthetic_batch, target_config)
 from peagle_core.models.drafter import Drafter  # noqa: E402
@@ -49,15 +59,33 @@ def profile_calls(fn, dev: torch.device, steps: int) -> tuple[float, list[dict]]
     return wall, kernel_table(prof, steps)
 
 
-def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int) -> dict:
+@contextlib.contextmanager
+def pdl_on():
+    """PEAGLE_PDL=1 while building, capturing and running one case; the previous value after."""
+    previous = os.environ.get("PEAGLE_PDL")
+    os.environ["PEAGLE_PDL"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("PEAGLE_PDL")
+        else:
+            os.environ["PEAGLE_PDL"] = previous
+
+
+def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int, pdl: bool = False) -> dict:
     dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
-    runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
-    batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
-    wall, table = profile_calls(lambda: runner.execute(batch), dev, steps)
+    with pdl_on() if pdl else contextlib.nullcontext():  # a fresh runner: its graphs are captured with it
+        pdl_used = use_pdl(torch.empty(0, device=dev))
+        runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
+        batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
+        wall, table = profile_calls(lambda: runner.execute(batch), dev, steps)
     del runner
     release_caches(target)
     nbytes = decode_step_bytes(target, layout.context, 1, tokens_per_req=1 + k).total
-    return {"step": "decode" if k == 0 else f"verify k={k}", "k": k, "graphs": graphs, "wall_ms": wall,
+    step = "decode" if k == 0 else f"verify k={k}"
+    step += ", PDL" if pdl_used else ", PDL asked, unavailable" if pdl else ""
+    return {"step": step, "k": k, "graphs": graphs, "pdl": pdl_used, "wall_ms": wall,
             "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3, "bytes": nbytes, "kernels": table}
 
 
@@ -101,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.31, help="for the bandwidth-bound column")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run, no kernel table)")
     ap.add_argument("--skip-draft", action="store_true", help="no drafter cases")
+    ap.add_argument("--pdl", action="store_true",
+                    help="also the decode step from graphs with PEAGLE_PDL=1 (programmatic dependent launch)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -118,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     graph_modes = (True, False) if dev.type == "cuda" else (False,)
     cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k), f"k={k} graphs={g}")
              for k in (0, 7) for g in graph_modes]
+    if a.pdl:  # right after the decode step without it, so both are measured before anything can time out
+        cases.insert(1, (lambda: profile_case(target, layout, 0, graph_modes[0], a.steps, seed=1, pdl=True),
+                         f"k=0 graphs={graph_modes[0]} pdl"))
     if not a.skip_draft:
         drafter = build_random(lambda: Drafter(drafter_config(target.config, parallel=True, layers=4)), dev, dtype, 7)
         cases += [(lambda K=K: profile_draft(target, drafter, layout, K, graph_modes[0], a.steps, seed=3), f"draft K={K}")

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
+
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: avoids (-inf) - (-inf) = nan
 
@@ -66,7 +68,11 @@ def _paged_attn_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,8 +156,11 @@ def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, out_pt
                          num_seqs, num_tokens, stride_ot, stride_oh,
                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+                         SPLITS_PAD: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Merge the partial softmax states of one token's query heads of one kv head: [GROUP, S]."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     g = tl.arange(0, GROUP_PAD)
     head = tl.program_id(1) * GROUP + g
@@ -282,12 +291,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         NUM_HEADS=Hq, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, HEAD_DIM=D,
         BLOCK_D=block_d, PAGE=page, HAS_SINKS=sinks is not None, HAS_WINDOW=bool(sliding_window),
-        NUM_SPLITS=splits, DOT_PREC=dot_prec, num_warps=launch.num_warps, num_stages=launch.num_stages)
+        NUM_SPLITS=splits, DOT_PREC=dot_prec, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **pdl_launch(q))
     if splits > 1:
         _merge_splits_kernel[(T, Hkv)](
             part_m, part_l, part_acc, sinks_arg, out, query_start_loc, B, T, out.stride(0), out.stride(1),
             NUM_HEADS=Hq, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, BLOCK_D=block_d, NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits), HAS_SINKS=sinks is not None)
+            SPLITS_PAD=triton.next_power_of_2(splits), HAS_SINKS=sinks is not None, **pdl_launch(q))
     return out
 
 

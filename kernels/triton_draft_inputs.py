@@ -21,12 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
+
 
 @triton.jit
 def _prepare_kernel(tok_ptr, pos_ptr, next_ptr, qsl_ptr, nrej_ptr,
                     ids_out, pos_out, rej_out, mask_out, sample_out, map_out,
                     mask_token_id, padding_token_id, T, P, num_blocks,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     blk = tl.program_id(1)
     qs = tl.load(qsl_ptr + r).to(tl.int64)
@@ -91,14 +96,18 @@ def prepare_draft_inputs_triton(target_token_ids: torch.Tensor, target_positions
         _prepare_kernel[(B, num_blocks)](
             target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected,
             ids, positions, is_rejected, is_masked, sample_indices, hidden_map,
-            int(mask_token_id), int(padding_token_id), T, P, num_blocks, BLOCK=block)
+            int(mask_token_id), int(padding_token_id), T, P, num_blocks, BLOCK=block,
+            **pdl_launch(target_token_ids))
     return ids, positions, is_rejected.view(torch.bool), is_masked.view(torch.bool), sample_indices, hidden_map
 
 
 @triton.jit
 def _fill_hidden_kernel(src_ptr, map_ptr, masked_ptr, shared_ptr, out_ptr,
                         T, n_out, H, stride_src, stride_out, search_steps,
-                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < n_out
@@ -150,5 +159,5 @@ def fill_hidden_triton(target_hidden: torch.Tensor, hidden_map: torch.Tensor, is
     masked = is_masked.contiguous().view(torch.uint8)
     _fill_hidden_kernel[grid](target_hidden, hidden_map.contiguous(), masked, shared, out,
                               T, n_out, H, target_hidden.stride(0), out.stride(0), max(T, 1).bit_length(),
-                              BLOCK_R=block_r, BLOCK_H=block_h)
+                              BLOCK_R=block_r, BLOCK_H=block_h, **pdl_launch(out))
     return out

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
 from kernels.moe import check_moe_shapes
 from kernels.triton_attention import segment_of_tile
 from kernels.triton_routing import SORT_MAX_ELEMS, counting_sort, route_and_sort_pairs
@@ -72,7 +73,10 @@ def _moe_up_kernel(x_ptr, w1_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
                    num_experts, hidden, inter, alpha, limit,
                    stride_xt, stride_we, stride_wn, stride_be, stride_ht,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
     if first >= end:
         return
@@ -106,7 +110,11 @@ def _moe_up_kernel(x_ptr, w1_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
 def _moe_down_kernel(h_ptr, w2_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets_ptr,
                      num_experts, hidden, inter,
                      stride_ht, stride_we, stride_wn, stride_be, stride_yt,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
     if first >= end:
         return
@@ -131,8 +139,11 @@ def _moe_down_kernel(h_ptr, w2_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets
 
 @triton.jit
 def _sort_pairs_kernel(experts_ptr, order_ptr, offsets_ptr, num_pairs, num_experts,
-                       PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr):
+                       PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program: a stable counting sort of the pairs by expert (small batches only)."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     p = tl.arange(0, PAIRS_PAD)
     expert = tl.load(experts_ptr + p, mask=p < num_pairs, other=EXPERTS_PAD)  # padding matches no expert
     counting_sort(expert, p, order_ptr, offsets_ptr, num_pairs, num_experts, EXPERTS_PAD)
@@ -149,7 +160,7 @@ def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch
         order = torch.empty(flat.numel(), device=flat.device, dtype=torch.int32)
         offsets = torch.empty(num_experts + 1, device=flat.device, dtype=torch.int32)
         _sort_pairs_kernel[(1,)](flat.contiguous(), order, offsets, flat.numel(), num_experts,
-                                 PAIRS_PAD=pairs_pad, EXPERTS_PAD=experts_pad, num_warps=8)
+                                 PAIRS_PAD=pairs_pad, EXPERTS_PAD=experts_pad, num_warps=8, **pdl_launch(flat))
         return order, offsets
     order = torch.argsort(flat, stable=True)
     bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
@@ -234,14 +245,14 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
         x, w1, b1, h, r.order, r.offsets, E, H, inter, float(alpha), float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), b1.stride(0), h.stride(0),
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.up_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
     y = torch.empty(T * top_k, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
     _moe_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n))](
         h, w2, b2, r.gates, y, r.order, r.offsets, E, H, inter,
         h.stride(0), w2.stride(0), w2.stride(1), b2.stride(0), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
     return token_outputs(y, T, top_k, reduce)
 
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
 from kernels.moe import check_moe_shapes, mxfp4_shape
 from kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort, token_outputs
 
@@ -88,8 +89,12 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
                          num_experts, hidden, inter, alpha, limit,
                          stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+                         DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
     if first >= end:
         return
@@ -121,8 +126,12 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
                            num_experts, hidden, inter,
                            stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+                           DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted)."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
     if first >= end:
         return
@@ -180,7 +189,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     tiles = r.tiles  # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
     common = dict(BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled,
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
     h = torch.empty(T * top_k, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
     _moe_mxfp4_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n))](

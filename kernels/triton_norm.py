@@ -21,13 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
 from kernels.norm import is_summands
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
                          stride_x, stride_xs, stride_res, stride_out,
-                         S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         S: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
@@ -74,7 +79,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     _add_rms_norm_kernel[(rows,)](x2, res2, weight.contiguous(), out, new_residual, H, float(eps),
                                   x2.stride(0), x2.stride(1) if S > 1 else 0, res2.stride(0), H,
                                   S=S, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                                  num_warps=min(max(block // 512, 1), 8))
+                                  num_warps=min(max(block // 512, 1), 8), **pdl_launch(x2))
     return out, new_residual
 
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
+
 
 @triton.jit
 def _rounded(v, dtype: tl.constexpr):
@@ -72,7 +74,10 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, v_ptr, k_cache_pt
                  sq_t, sq_h, sq_d, sk_t, sk_h, sk_d, sc_t, sc_d, ss_t, ss_d,
                  sv_t, sv_h, sv_d, skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
                  BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PAGE: tl.constexpr, WRITE_KV: tl.constexpr):
+                 PAGE: tl.constexpr, WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     cos = tl.load(cos_ptr + t * sc_t + d * sc_d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
@@ -141,7 +146,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                          *cache_args[4:],
                          BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv),
                          BLOCK_D=triton.next_power_of_2(half), PAGE=page, WRITE_KV=kv is not None,
-                         enable_fp_fusion=False)
+                         enable_fp_fusion=False, **pdl_launch(q))
     return q_out, k_out
 
 

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
+
 # Largest counting-sort one-hot matrix (EXPERTS_PAD x PAIRS_PAD int32) kept in one program's registers.
 SORT_MAX_ELEMS = 32768
 # Decode and verify sizes: up to this many tokens one program holds the batch (and the one-launch path runs).
@@ -117,8 +119,12 @@ def _pick_and_store(logits, rows, gates_ptr, experts_ptr, order_ptr, offsets_ptr
 
 @triton.jit
 def _route_kernel(logits_ptr, gates_ptr, experts_ptr, num_tokens, num_experts, stride_lt,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
     """Routing of BLOCK_T tokens from precomputed logits [T, E] (batches too large for one launch; no sort)."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     logits = _load_logits(logits_ptr, rows, num_tokens, num_experts, stride_lt, E_PAD, "")
     _pick_and_store(logits, rows, gates_ptr, experts_ptr, gates_ptr, gates_ptr, num_tokens, num_experts,  # no sort:
@@ -177,9 +183,14 @@ def _logits_route_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, gates_pt
                          offsets_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          SORT: tl.constexpr, SORT_E_PAD: tl.constexpr, LOGIT_T: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
     """The one-launch path (every token fits BLOCK_T): each program sums its experts' logits over its hidden
     slice; the last one to finish completes the logits and routes (and sorts) the whole batch."""
+    # PDL: every program waits for the previous kernel first, so also before the arrival counter's atomic
+    if USE_PDL:  # (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
                     LOGIT_T, BLOCK_E, BLOCK_H)
     # Every thread's stores precede the barrier, the barrier precedes the release (one thread's atomic): the
@@ -263,7 +274,8 @@ def _route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_
         # 8 warps for large tiles: the rule from when this kernel also sorted at decode sizes, kept as it was
         num_warps = 8 if block_t * max(e_pad, k_pad * sort_e_pad) > 4096 else 4
         _route_kernel[(triton.cdiv(T, block_t),)](logits, gates, experts, T, E, logits.stride(0), TOP_K=top_k,
-                                                  K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, num_warps=num_warps)
+                                                  K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, num_warps=num_warps,
+                                                  **pdl_launch(x))
         return gates, experts, None
 
     sorted_pairs = None
@@ -297,7 +309,8 @@ def _launch_one(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor,
     _logits_route_kernel[(triton.cdiv(E, block_e), splits)](
         x, router_w, router_b, partial, _arrival_counter(x.device), gates, experts, order, offsets,
         T, E, H, slice_len, x.stride(0), router_w.stride(0),
-        **meta, LOGIT_T=logit_t, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits, num_warps=LOGIT_WARPS)
+        **meta, LOGIT_T=logit_t, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits, num_warps=LOGIT_WARPS,
+        **pdl_launch(x))
 
 
 def logit_splits(T: int, E: int, H: int, elem_bytes: int) -> int:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import pdl_launch
 from kernels.sampling import target_probs
 
 # Vocabulary tile and warps: one program scans a row in V / BLOCK_V_MAX dependent steps. 16384 / 8 was the
@@ -92,7 +93,10 @@ def _residual_argmax(p_ptr, e_ptr, V, draft, NOISE_F64: tl.constexpr, BLOCK: tl.
 def _rejection_kernel(logits_ptr, probs_ptr, draft_ptr, cu_ptr, temp_ptr, u_ptr, e_ptr, tokens_ptr, nacc_ptr,
                       N, V, max_rows, stride_l, stride_p, stride_e,
                       ALL_GREEDY: tl.constexpr, LOGITS_F64: tl.constexpr, NOISE_F64: tl.constexpr,
-                      BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+                      BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b).to(tl.int64)
     n_rows = tl.load(cu_ptr + b + 1).to(tl.int64) - start
@@ -179,5 +183,5 @@ def rejection_sample_triton(logits: torch.Tensor, draft_ids: torch.Tensor, cu_ro
         ALL_GREEDY=all_greedy, LOGITS_F64=logits.dtype == torch.float64,
         NOISE_F64=not all_greedy and exp_noise.dtype == torch.float64,
         BLOCK_V=min(triton.next_power_of_2(V), BLOCK_V_MAX), BLOCK_R=min(triton.next_power_of_2(max_rows), 64),
-        num_warps=NUM_WARPS if V >= 4096 else 4)
+        num_warps=NUM_WARPS if V >= 4096 else 4, **pdl_launch(logits))
     return tokens, num_accepted

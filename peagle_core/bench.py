@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from kernels import set_triton_enabled, triton_enabled, use_triton
+from kernels.dispatch import use_pdl
 from peagle_core.config import DrafterConfig, GptOssConfig
 from peagle_core.engine.graphs import GraphRunner
 from peagle_core.engine.model_runner import ModelRunner
@@ -679,6 +680,9 @@ class Bench:
                          "warmup": r["warmup"], "iters": r["iters"], "hf_tokens": r["hf_tokens"], "seed": args.seed,
                          "block_size": BLOCK_SIZE,
                          "triton_kernels": use_triton(torch.empty(0, device=self.device)),
+                         # programmatic dependent launch of the Triton kernels (PEAGLE_PDL=1, kernels/dispatch.py)
+                         "pdl": use_triton(torch.empty(0, device=self.device))
+                         and use_pdl(torch.empty(0, device=self.device)),
                          "cuda_graphs": self.graphs,
                          "timing": "CUDA events around each call, median" if self.device.type == "cuda"
                          else "perf_counter around each call, median"},

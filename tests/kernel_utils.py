@@ -80,6 +80,26 @@ def triton_cuda(monkeypatch):
     set_triton_enabled(previous)
 
 
+def enable_pdl(monkeypatch) -> None:
+    """PEAGLE_PDL=1 for this test (programmatic dependent launch, `kernels/dispatch.py`). On a device that supports
+    PDL it must then really be used: a Triton without it would otherwise pass the PDL tests without testing PDL."""
+    from kernels.dispatch import use_pdl
+    monkeypatch.setenv("PEAGLE_PDL", "1")
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        assert use_pdl(torch.empty(0, device="cuda")), "PEAGLE_PDL=1 on sm_90+, but this Triton cannot launch with PDL"
+
+
+@pytest.fixture(params=[False, True], ids=["pdl-off", "pdl-on"])
+def pdl(request, monkeypatch) -> bool:
+    """Runs a (GPU) test as it is and again with PEAGLE_PDL=1: every Triton kernel then launches with
+    programmatic dependent launch, so back-to-back kernels overlap and only their `gdc_wait` orders them."""
+    if request.param:
+        enable_pdl(monkeypatch)
+    else:
+        monkeypatch.delenv("PEAGLE_PDL", raising=False)
+    return request.param
+
+
 def assert_graph_replays_exactly(fn, x: torch.Tensor) -> None:
     """`fn()` (reading `x`) captures into a CUDA graph with no host sync, and a replay after new values are
     written into `x` equals running `fn()` again, bit for bit."""

@@ -284,10 +284,12 @@ def test_profile_script_smoke_run_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("profile_step", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.main(["--shape", "tiny", "--context", "16", "--steps", "1", "--device", "cpu", "--out", str(tmp_path)])
+    mod.main(["--shape", "tiny", "--context", "16", "--steps", "1", "--device", "cpu", "--pdl", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "profile.json").read_text())
-    assert [c["step"] for c in res["cases"]] == ["decode", "verify k=7", "P-EAGLE draft K=1", "P-EAGLE draft K=7"]
+    assert [c["step"] for c in res["cases"]] == ["decode", "decode, PDL asked, unavailable", "verify k=7",
+                                                 "P-EAGLE draft K=1", "P-EAGLE draft K=7"]  # no PDL on a CPU
+    assert not res["cases"][1]["pdl"]
     assert "errors" not in res and all(not c["graphs"] and c["wall_ms"] > 0 for c in res["cases"])
-    assert res["cases"][1]["bytes"] > res["cases"][0]["bytes"] > 0  # a verify step reads more experts
+    assert res["cases"][2]["bytes"] > res["cases"][0]["bytes"] > 0  # a verify step reads more experts
     md = (tmp_path / "profile.md").read_text()
     assert "| verify k=7 | no |" in md and "| P-EAGLE draft K=7 | no |" in md

@@ -285,6 +285,40 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.mark.gpu
 @cuda
+def test_pdl_changes_no_step_and_no_graph_output(tiny_pair, reference, monkeypatch):
+    """PEAGLE_PDL=1 (every Triton kernel launched with programmatic dependent launch, kernels/dispatch.py; the
+    graphs are captured with it, so each LLM is built after setting it) against it off: every engine step
+    (tokens, drafts, acceptance, the P-EAGLE drafter's graphed steps included), then a replayed target decode
+    graph's outputs and the KV cache it wrote, bit for bit. (First of the GPU tests here, so that the timed GPU
+    run of benchmarks/gpu_run.sh reaches it.)"""
+    from kernels.dispatch import use_pdl
+
+    mode, k, got = "peagle", 3, {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("PEAGLE_PDL", pdl)
+        if pdl == "1" and torch.cuda.get_device_capability()[0] >= 9:
+            assert use_pdl(torch.empty(0, device="cuda")), "PEAGLE_PDL=1 on sm_90+, but Triton cannot launch with PDL"
+        llm = make_llm(tiny_pair, mode, k, device="cuda", dtype="bfloat16")  # captures every graph now
+        out, steps = drive(llm, reference, seed=k)
+        runner = llm.engine.runner
+        with torch.inference_mode():
+            runner.target_cache.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
+            ids, meta = uniform_batch(runner, [5, 17, 9], k + 1)
+            ids, meta = ids.cuda(), ForwardMeta(**{f: getattr(meta, f).cuda() for f in
+                                                  ("positions", "query_start_loc", "seq_lens", "slot_mapping",
+                                                   "block_tables")})
+            outs = [None if o is None else o.clone() for o in run_padded(runner.graphs.target, ids, None, meta)]
+        got[pdl] = out, [r for _, r in steps], outs, runner.target_cache.clone()
+        assert runner.graphs.target.num_replays > 0
+        del llm, runner
+    (out0, steps0, outs0, cache0), (out1, steps1, outs1, cache1) = got["0"], got["1"]
+    assert out1 == out0 and steps1 == steps0
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(outs0, outs1))
+    assert torch.equal(cache1, cache0)
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("mode,k", [("none", 0), ("peagle", 3), ("peagle", 7), ("eagle3", 3)])
 def test_cuda_graphs_give_eager_greedy_tokens_bf16(tiny_pair, reference, mode, k):
     outs = {}
@@ -375,3 +409,4 @@ def test_triton_kernels_with_graphs_give_the_reference_greedy_tokens(mode, k):
     finally:
         set_triton_enabled(previous)
     assert outs[True] == outs[False]
+

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernel_utils import triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernel_utils import pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.attention import attend, paged_attention, paged_attention_ref, varlen_attention, write_kv_ref
 from kernels.dispatch import set_triton_enabled, use_triton
 from kernels.rope import apply_rope, rope_write_kv, rope_write_kv_ref
@@ -238,8 +238,9 @@ def test_rope_write_kv_bf16_cuda(triton_cuda):
 
 
 @pytest.mark.gpu
-def test_paged_attention_cuda_graph_capture(triton_cuda):
-    """No host sync: the fused rope + KV write and attention capture into a CUDA graph and replay exactly."""
+def test_paged_attention_cuda_graph_capture(triton_cuda, pdl):
+    """No host sync: the fused rope + KV write and attention capture into a CUDA graph and replay exactly (also
+    with programmatic dependent launch: rope, attention and the split merge then overlap back to back)."""
     b = make_batch(MIXED, 64, 8, 64, 16, device="cuda", dtype=torch.bfloat16)
     k_new = torch.randn(b.q.shape[0], 8, 64, device="cuda", dtype=torch.bfloat16)
     cos, sin = (torch.randn(b.q.shape[0], 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_utils import assert_graph_replays_exactly, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.dispatch import use_triton
 from kernels.moe import moe, moe_ref, route, swiglu
 
@@ -115,8 +115,9 @@ def test_moe_bf16_cuda(triton_cuda, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [2, 700])  # one-program sort and torch sort
-def test_moe_cuda_graph_capture(triton_cuda, T):
-    """No host sync anywhere: the whole op captures into a CUDA graph and replays exactly."""
+def test_moe_cuda_graph_capture(triton_cuda, pdl, T):
+    """No host sync anywhere: the whole op captures into a CUDA graph and replays exactly (with and without
+    programmatic dependent launch)."""
     p = make_moe(T, 256, 128, 16, device="cuda", dtype=torch.bfloat16)
     assert_graph_replays_exactly(lambda: moe(**p, top_k=4, alpha=ALPHA, limit=7.0), p["x"])
 

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 
-from kernel_utils import assert_graph_replays_exactly, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.dispatch import use_triton
 from kernels.moe import moe_mxfp4, moe_mxfp4_ref, moe_ref, route, swiglu
 from peagle_core import LLM, SamplingParams
@@ -205,7 +205,7 @@ def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled):
 
 
 @pytest.mark.gpu
-def test_moe_mxfp4_cuda_graph_capture(mx_cuda):
+def test_moe_mxfp4_cuda_graph_capture(mx_cuda, pdl):
     """No host sync: the packed MoE captures into a CUDA graph and replays exactly."""
     p = {k: v.cuda() for k, v in make_packed(2, 256, 128, 16, dtype=torch.bfloat16).items()}
     assert_graph_replays_exactly(lambda: moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0), p["x"])

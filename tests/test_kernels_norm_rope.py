@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_utils import assert_graph_replays_exactly, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.dispatch import use_triton
 from kernels.norm import add_rms_norm, add_rms_norm_ref
 from kernels.rope import apply_rope, apply_rope_ref
@@ -276,7 +276,7 @@ def test_models_with_triton_norm_and_rope_match_the_references(triton_interpret)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 37])
-def test_compiled_kernels_bf16_bit_exact_where_pytorch_rounds_once(triton_cuda, T):
+def test_compiled_kernels_bf16_bit_exact_where_pytorch_rounds_once(triton_cuda, pdl, T):
     g = torch.Generator().manual_seed(T)
     x, residual, weight = (_rand(g, *s, dtype=torch.bfloat16, device="cuda") for s in ((T, 2880), (T, 2880), (2880,)))
     normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)

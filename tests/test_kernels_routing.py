@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_utils import assert_graph_replays_exactly, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.dispatch import use_triton
 from kernels.moe import route, route_ref
 
@@ -307,10 +307,11 @@ def test_route_bf16_cuda(triton_cuda, T, E):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E", [(1, 32), (8, 32), (64, 32), (8, 128), (32, 128)])
-def test_one_launch_repeats_cuda(triton_cuda, T, E):
+def test_one_launch_repeats_cuda(triton_cuda, pdl, T, E):
     """Many back-to-back launches on two alternating inputs: the finishing program must see every other
     program's partial sums each time (an early or stale read, say of the other input's sums left in the
-    reused scratch buffer, would change a result), and leaves the counter at 0."""
+    reused scratch buffer, would change a result), and leaves the counter at 0. With programmatic dependent
+    launch each launch starts while the previous one finishes: its wait must precede the counter's use."""
     routing = triton_cuda.routing
     inputs = [gaussian_inputs(T, 2880, E, seed=T + i, dtype=torch.bfloat16, device="cuda") for i in range(2)]
     firsts = [routing.route_and_sort_pairs(*xwb, 4) for xwb in inputs]
@@ -326,7 +327,7 @@ def test_one_launch_repeats_cuda(triton_cuda, T, E):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [2, 64, 500])  # one launch (one hidden slice; several); the fallback
-def test_route_cuda_graph_capture(triton_cuda, T):
+def test_route_cuda_graph_capture(triton_cuda, pdl, T):
     x, w, b = gaussian_inputs(T, 2880, 32, seed=0, dtype=torch.bfloat16, device="cuda")
 
     def routed() -> torch.Tensor:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kernel_utils import triton_cuda, triton_interpret  # noqa: F401  (fixtures)
+from kernel_utils import enable_pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.draft_inputs import fill_hidden, fill_hidden_ref, prepare_draft_inputs, prepare_draft_inputs_ref
 from kernels.dispatch import use_triton
 from kernels.sampling import rejection_sample, rejection_sample_ref
@@ -22,12 +22,20 @@ SPEC_MODULES = ("kernels.triton_draft_inputs", "kernels.triton_sampling")
 M = -2  # mask (parallel-drafting) token id in the worked example
 
 
+# One test per kernel also runs compiled with programmatic dependent launch (PEAGLE_PDL=1): "cuda-pdl", marked
+# gpu so that benchmarks/gpu_run.sh's `-m gpu` run picks it (few shapes: few compilations in its time budget).
+WITH_PDL = pytest.mark.parametrize("device", ["interpret", "cuda", pytest.param("cuda-pdl", marks=pytest.mark.gpu)],
+                                   indirect=True)
+
+
 @pytest.fixture(params=["interpret", "cuda"])
-def device(request) -> str:
+def device(request, monkeypatch) -> str:
     """Dispatch to Triton (interpreter on CPU, or compiled on CUDA); the modules match the mode."""
     from triton.runtime.jit import JITFunction
     interpret = request.param == "interpret"
     request.getfixturevalue("triton_interpret" if interpret else "triton_cuda")
+    if request.param == "cuda-pdl":
+        enable_pdl(monkeypatch)
     for name in SPEC_MODULES:  # kernel_utils reloads only its own modules
         module = sys.modules.get(name) or importlib.import_module(name)
         if any(isinstance(v, JITFunction) for v in vars(module).values()) == interpret:
@@ -49,6 +57,7 @@ PREP_NAMES = ("input_ids", "positions", "is_rejected", "is_masked", "sample_indi
 # prepare_draft_inputs / fill_hidden
 # ---------------------------------------------------------------------------------------------
 
+@WITH_PDL
 def test_worked_example_peagle_2_1(device):
     """reference/peagle.md §2.1 (vLLM test_set_inputs_first_pass_parallel_drafting): K = 3, two requests of 4."""
     dev = torch.device(device)
@@ -148,6 +157,7 @@ def test_fill_hidden_matches_reference(device, H, dtype):
         assert (got.cpu()[uncovered] == 0).all()
 
 
+@WITH_PDL
 def test_fill_hidden_sparse_map(device):
     """Any strictly increasing map: rows beyond and between mapped rows are zeros."""
     dev = torch.device(device)
@@ -193,6 +203,7 @@ def _check_rejection(args, max_rows):
     return got
 
 
+@WITH_PDL
 def test_rejection_greedy_one_hot(device):
     """Hand-made: drafts [hit, hit, miss | hit] (+ bonus rows); -1 after the emitted token."""
     dev = torch.device(device)
@@ -217,6 +228,7 @@ def test_rejection_random_mixed(device, greedy_frac):
         _check_rejection(args, max_rows)
 
 
+@WITH_PDL
 def test_rejection_without_filters(device):
     """top_k = top_p = None (no request filters) matches the reference and the explicit 0 / 1 filters."""
     g = torch.Generator().manual_seed(16)
