@@ -178,7 +178,7 @@ class AcceptanceRecorder:
 class AcceptanceReplay:
     """BENCHMARK ONLY: force each verify step's accepted count from a recorded trace (see the module doc)."""
 
-    def __init__(self, trace: Trace, K: int):
+    def __init__(self, trace: Trace, K: int, first_slot: int = 0):
         if K > trace.K:
             raise ValueError(f"the trace was recorded at depth {trace.K}; it cannot replay depth {K}")
         self.trace, self.runs = trace, trace.runs
@@ -187,6 +187,7 @@ class AcceptanceReplay:
         self.slot: dict[str, int] = {}
         self.cursor: dict[str, int] = {}
         self.forced = 0  # verify steps whose accepted count was replaced
+        self.first_slot = first_slot  # the trace the first request takes (the simulation mirrors a sweep's order)
 
     def install(self, runner) -> "AcceptanceReplay":
         wrap_execute(runner, self.apply)
@@ -194,7 +195,7 @@ class AcceptanceReplay:
 
     def run_length(self, request_id: str) -> int:
         """The next recorded run of this request's trace (requests take traces round-robin by arrival)."""
-        i = self.slot.setdefault(request_id, len(self.slot) % len(self.runs))
+        i = self.slot.setdefault(request_id, (self.first_slot + len(self.slot)) % len(self.runs))
         c = self.cursor.get(request_id, 0)
         self.cursor[request_id] = c + 1
         runs = self.runs[i]

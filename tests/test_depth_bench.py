@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from peagle_core import LLM, SamplingParams
+from peagle_core.spec.depth import FixedDepth
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -234,3 +235,67 @@ def test_simulation_replays_a_measured_sweeps_step_times(tmp_path):
     assert "adaptive_level / best" in md and "charges 0.5 x" in md
     with pytest.raises(ValueError, match="two depths"):
         adaptive_sim.StepTable({"kind": "measured", "cells": [c for c in cells if c["policy"] == "K1"]})
+
+
+def test_a_two_round_sweeps_step_times_can_take_the_faster_round(tmp_path):
+    """With two rounds the median is their mean, and one stalled round (outside the throughput window) makes
+    a cell's steps look dearer; `min` takes the faster round."""
+    cells = [{"policy": f"K{K}", "concurrency": 4, "round": rnd, "status": "ok", "steps": 100,
+              "wall_s": 100 * (8e-3 + 1e-3 * K) * slow} for K in (1, 3) for rnd, slow in enumerate((1.0, 2.0))]
+    sweep = {"kind": "measured", "cells": [], "cells_by_round": cells}
+    assert adaptive_sim.StepTable(sweep).time(4, 1) == pytest.approx(1.5 * 9e-3)
+    assert adaptive_sim.StepTable(sweep, "min").time(4, 1) == pytest.approx(9e-3)
+
+
+GRAPHED = ROOT / "docs" / "benchmarks" / "adaptive_20b_graphed_profile.json"
+TINY_TRACE = ROOT / "benchmarks" / "traces" / "tiny_peagle_k7.json"
+
+
+def test_the_simulated_level_has_the_sweeps_shape_step_for_step():
+    """Joins modelled as the engine schedules them (128-token prompts prefilled in chunks under the 512-token
+    budget after the decoding requests, joiners verifying nothing until prefilled, drafts capped by the tokens
+    left) and the acceptance traces handed out in the sweep's order: every fixed-K cell of the graphed H200 sweep
+    takes exactly as many engine steps simulated as it took measured (step counts depend on scheduling and
+    acceptance, not on step times). Without the joins model the counts are off."""
+    sweep = json.loads(GRAPHED.read_text())
+    trace = S.Trace.load(TINY_TRACE)
+    table = adaptive_sim.StepTable(sweep, "min")
+    conc = sweep["concurrency"]
+    slots = adaptive_sim.sweep_first_slots(conc, sweep["waves"], sweep["min_requests"])
+    joins = adaptive_sim.Joins(prompt_len=128, budget=512)
+    old = 0
+    for c in sweep["cells_by_round"]:
+        f = S.fixed_policy(c["policy"])
+        if c["round"] != 0 or f is None:
+            continue
+        K, C = f[0], c["concurrency"]
+        args = (FixedDepth(K), c["policy"], table, trace, C, K, sweep["waves"], sweep["max_tokens"], 0, 0.0,
+                sweep["min_requests"])
+        assert adaptive_sim.simulate(*args, joins, slots[C])["steps"] == c["steps"], (c["policy"], C)
+        old += adaptive_sim.simulate(*args)["steps"] == c["steps"]
+    assert old < 5
+
+
+def test_simulation_starts_the_adaptive_policy_from_a_sweeps_recorded_grid(tmp_path):
+    """`--start-up-grid`: the grid the sweep's engines profiled (median over rounds) is the adaptive policy's
+    start; `--steps-from start-up-grid` also makes it the simulated steps' cost (no shape error); `--seeds`
+    averages cells over seeds and keeps each seed's throughput."""
+    sweep = json.loads(GRAPHED.read_text())
+    grid = adaptive_sim.recorded_start_up_grid(sweep)
+    rows = [c["step_grid"]["profiled_ms"] for c in sweep["cells_by_round"] if c["policy"] == "adaptive"]
+    assert sorted(grid) == [1, 2, 4, 8, 16, 32, 64]
+    recorded = [r[5][3] for r in rows]  # B = 32 (the sixth row), k = 3, in ms: the rounds' profiles
+    assert min(recorded) <= grid[32][3] * 1e3 <= max(recorded)
+    out = tmp_path / "sim"
+    assert adaptive_sim.main(["--steps-from", "start-up-grid", "--start-up-grid", str(GRAPHED), "--trace",
+                              str(TINY_TRACE), "--concurrency", "2,32", "--policies", "K1,K3,adaptive", "--waves", "2",
+                              "--min-requests", "8", "--max-tokens", "64", "--prompt-len", "128",
+                              "--sweep-trace-order", "--seeds", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "adaptive_sim.json").read_text())
+    by = {(c["policy"], c["concurrency"]): c for c in res["cells"]}
+    assert len(by[("adaptive", 32)]["throughput_by_seed"]) == 2 and by[("adaptive", 32)]["k_share"]
+    assert by[("K3", 32)]["simulated_s"] > 1.0  # the recorded grid's 12-16 ms steps, about 120 of them
+    md = (out / "adaptive_sim.md").read_text()
+    assert "profiled at start-up" in md and "Prompts of 128 tokens" in md
+    assert adaptive_sim.main(["--steps-from", "start-up-grid", "--trace", "synthetic:0.5", "--out",
+                              str(out)]) == 2  # needs the sweep's grid

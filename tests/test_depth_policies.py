@@ -167,6 +167,47 @@ def test_unreached_positions_borrow_the_rate_next_to_them():
     assert r[1] > 0.9
 
 
+def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot_lock_in_k1():
+    """The H200 sweep's 32-request levels, synthetic: every request starts at once, and in its first tokens the
+    second draft never passes. The policy drops to k = 1, which never judges position 2 again; at the judged
+    positions' rate of forgetting (0.98 a step on ~200 early observations) it stayed at k = 1 for 92 of these
+    100 steps although every position passes half the time from step 6 on (k >= 3 best on this grid). A
+    position nobody judges now forgets at 0.9 a step: back to its neighbour's rate, and the policy deeper,
+    within a few steps. No exploration: the acceptance estimate alone must recover."""
+    from peagle_core.spec.adaptive import Exploration, StepGrid
+
+    grid = StepGrid({32: [12.7, 12.7, 13.9, 13.9, 14.4, 14.6, 15.0, 15.3]})  # the H200 start-up row, ms
+    p = AdaptiveDepth(7, grid, explore=Exploration.off())
+    info, ks = StepInfo(32, 0, 7), []
+    half = [0] * 16 + [1] * 8 + [2] * 4 + [3] * 2 + [4, 7]  # accepted runs: each position passes half the time
+    for step in range(100):
+        k = p.choose(info)
+        ks.append(k)
+        runs = [1] * 32 if step < 6 else half  # first tokens: the first draft passes, the second never
+        p.observe(info, StepOutcome(k, [(k, min(k, a)) for a in runs], grid.step(32, k), 32 * (1 + k)))
+    assert 1 in ks[:6]  # the early evidence did push it to k = 1
+    assert min(ks[6:20]) >= 1 and max(ks[6:20]) >= 2 and min(ks[30:]) >= 3
+    assert p.acceptance.rates()[1] == pytest.approx(0.5, abs=0.03)
+    # A position that keeps being judged keeps the slow rate: one step without position 3 moves it little.
+    est = p.acceptance
+    before = est.reached[0]
+    est.observe([(1, 0)] * 32)
+    assert est.reached[0] == pytest.approx(0.98 * before + 32) and est.reached[2] < 0.9 * before
+
+
+def test_a_prefill_only_step_leaves_the_acceptance_estimate_alone():
+    """A step with nothing to verify (every running request still in its prefill) judges no position because
+    none could be judged: it must not count as positions going unjudged (which now forget fast)."""
+    from peagle_core.spec.adaptive import StepGrid
+
+    p = AdaptiveDepth(7, StepGrid({1: [5.0 + k for k in range(8)]}))
+    for _ in range(5):
+        p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 2)] * 4, 8.0, 16))
+    reached, accepted = list(p.acceptance.reached), list(p.acceptance.accepted)
+    p.observe(StepInfo(0, 128, 7), StepOutcome(7, [], 9.0, 128))
+    assert p.acceptance.reached == reached and p.acceptance.accepted == accepted
+
+
 def test_engine_profiles_whole_steps_for_the_adaptive_policy(tiny_pair):
     from peagle_core.spec.adaptive import StepGrid
 
