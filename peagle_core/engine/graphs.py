@@ -6,10 +6,11 @@ A forward's shape is fixed once its requests and tokens are padded; graphs are k
            to a bucket (1, 2, 4, 8, 16, 24, ..., max_num_seqs), each dummy fed the same q tokens, so the
            attention kernel sees the same tiles as in the eager step;
              target         q = 1 + k tokens per request, k = 0..K   -> up to max_num_seqs x (K+1) tokens
-             drafter step   behind each target graph, the drafter's whole step in one more graph (`DraftSteps`):
-                            P-EAGLE's one pass over q - 1 + K slots a request (up to max_num_seqs x 2K
-                            tokens), EAGLE-3's K passes, with input preparation, LM head and argmax
-             drafter        EAGLE-3 only: q slots, then 1 per extra pass (its depths below K, mixed steps)
+             drafter step   behind each target graph, the drafter's whole step in one more graph (`DraftSteps`)
+                            for each number of drafts n: P-EAGLE's one pass over q - 1 + n slots a request (up
+                            to max_num_seqs x 2K tokens), EAGLE-3's n passes, with input preparation, LM head
+                            and argmax
+             drafter        EAGLE-3 only: 1 slot a request (the extra passes of mixed steps)
   mixed    anything else (prefill chunks next to decodes, unequal k): tokens padded to a bucket (16, 24, 32,
            48, ... up to the step's token budget), requests always padded to max_num_seqs + 1, the dummies
            sharing the padded tokens. This works because nothing in a forward depends on how the tokens
@@ -197,8 +198,8 @@ class GraphSet:
                 buf[:T].copy_(o)
 
 
-# (input ids [T], aux hidden [T, n_aux * H], the target's meta, next token [B], rejected drafts [B]) -> drafts [B, K]
-DraftStep = Callable[[torch.Tensor, torch.Tensor, ForwardMeta, torch.Tensor, torch.Tensor], torch.Tensor]
+# (input ids [T], aux hidden [T, n_aux * H], the target's meta, next token [B], rejected drafts [B], n) -> drafts [B, n]
+DraftStep = Callable[[torch.Tensor, torch.Tensor, ForwardMeta, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class DraftSteps:
@@ -208,50 +209,61 @@ class DraftSteps:
     slots, the LM head, argmax, the id map): at bs 1 the host issuing them, not the GPU, set its time.
     After the target's decode graph `key` replays, its static inputs and aux output hold the step (padded
     with dummies), so this graph reads them in place and only the next tokens and rejected counts are
-    copied in. Only K drafts are captured (P-EAGLE always drafts K: one pass costs the same for any number
-    of MASK slots); EAGLE-3 at an adaptive depth below K runs its passes through the drafter's graphs.
-    Dummy requests (seq_len 0) write no K/V and read none (`ModelRunner.draft`).
+    copied in. Graphs are keyed by the target's key and the number of drafts n: n = K for every key is
+    captured up front (fixed depth never needs another); an adaptive depth's other n are captured at their
+    first use by `ensure`, which runs before the target's inputs are loaded because a capture pads the
+    target's buffers with dummies. Dummy requests (seq_len 0) write no K/V and read none (`ModelRunner.draft`).
     """
 
-    def __init__(self, target: GraphSet, step: DraftStep, num_drafts: int, device: torch.device, capture: bool,
+    def __init__(self, target: GraphSet, step: DraftStep, max_drafts: int, device: torch.device, capture: bool,
                  pool=None):
         self.name = "drafter step"
-        self.target, self.step, self.num_drafts, self.capture, self.pool = target, step, num_drafts, capture, pool
+        self.target, self.step, self.max_drafts, self.capture, self.pool = target, step, max_drafts, capture, pool
         self.keys = {(b, b * q) for b in target.buckets for q in range(1, target.max_tokens_per_seq + 1)}
         n = target.buckets[-1]
         self.next_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.num_rejected = torch.zeros(n, dtype=torch.long, device=device)
-        self.drafts = torch.zeros(n, num_drafts, dtype=torch.long, device=device)
-        self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
+        self.drafts = torch.zeros(n, max_drafts, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.num_replays = self.num_padded = 0
+
+    def covers(self, key: Key, num_drafts: int) -> bool:
+        return key in self.keys and 1 <= num_drafts <= self.max_drafts
+
+    def ensure(self, key: Key, num_drafts: int) -> None:
+        """Capture the graph for (`key`, n) if it is missing; call before the target's forward loads the step."""
+        if self.capture and self.covers(key, num_drafts) and (*key, num_drafts) not in self.graphs:
+            self.capture_one((*key, num_drafts))
 
     def run(self, key: Key, num_drafts: int, next_ids: torch.Tensor, num_rejected: torch.Tensor
             ) -> torch.Tensor | None:
-        """The drafts [B, K] of the step whose target forward just replayed graph `key`; None if not covered."""
-        if num_drafts != self.num_drafts or key not in self.keys or (self.capture and key not in self.graphs):
+        """The drafts [B, n] of the step whose target forward just replayed graph `key`; None if not covered."""
+        gkey = (*key, num_drafts)
+        if not self.covers(key, num_drafts) or (self.capture and gkey not in self.graphs):
             return None
         B = next_ids.shape[0]
         self.next_ids[:B].copy_(next_ids)
         self.num_rejected[:B].copy_(num_rejected)
         if self.capture:
-            self.graphs[key].replay()
+            self.graphs[gkey].replay()
         else:
-            self._step(*key)
+            self._step(*gkey)
         self.num_replays += 1
         self.num_padded += key[0] > B
-        return self.drafts[:B]
+        return self.drafts[:B, :num_drafts]
 
-    def capture_one(self, key: Key) -> None:
-        num_seqs, num_tokens = key
-        self.target._pad(0, 0, num_seqs, num_tokens)  # all dummies (at start-up the buffers hold no step)
-        self.graphs[key] = capture_graph(lambda: self._step(num_seqs, num_tokens), self.pool,
-                                         f"the drafter step ({num_seqs} requests, {num_tokens} target tokens)")
+    def capture_one(self, gkey: tuple[int, int, int]) -> None:
+        num_seqs, num_tokens, n = gkey
+        self.target._pad(0, 0, num_seqs, num_tokens)  # all dummies: the buffers must hold no step now
+        self.graphs[gkey] = capture_graph(lambda: self._step(num_seqs, num_tokens, n), self.pool,
+                                          f"the drafter step ({num_seqs} requests, {num_tokens} target tokens, "
+                                          f"{n} drafts)")
 
-    def _step(self, num_seqs: int, T: int) -> None:
+    def _step(self, num_seqs: int, T: int, n: int) -> None:
         t = self.target
         aux = t.outputs[1][:T]  # written by the target's forward of this key
-        self.drafts[:num_seqs].copy_(self.step(t.input_ids[:T], aux, t.meta(num_seqs, T), self.next_ids[:num_seqs],
-                                               self.num_rejected[:num_seqs]))
+        self.drafts[:num_seqs, :n].copy_(self.step(t.input_ids[:T], aux, t.meta(num_seqs, T),
+                                                   self.next_ids[:num_seqs], self.num_rejected[:num_seqs], n))
 
 
 class GraphRunner:
@@ -279,17 +291,17 @@ class GraphRunner:
         self.draft_steps: DraftSteps | None = None
         if runner.drafter is not None:
             d = runner.drafter
-            # Decode steps draft inside `draft_steps`. The drafter's own decode graphs serve EAGLE-3 below depth K
-            # (its first pass: q slots; later passes: 1) and the extra passes of mixed steps; P-EAGLE needs none.
-            self.draft_lens = range(1, K + 2) if runner.mode == "eagle3" else range(0)
+            # Decode steps draft inside `draft_steps`; the drafter's own decode graphs serve only EAGLE-3's extra
+            # passes in mixed steps (one slot a request). P-EAGLE needs none.
+            self.draft_lens = range(1, 2) if runner.mode == "eagle3" else range(0)
             masks = max_num_seqs * (K - 1) if runner.mode == "peagle" else 0
             self.drafter = GraphSet("drafter", lambda ids, h, meta: d(ids, h, meta), self.buckets, len(self.draft_lens),
                                     mixed(masks), max_blocks, (d.config.hidden_size, d.fc.weight.dtype), dev,
                                     capture, self.pool)
             draft = weakref.WeakMethod(runner.draft)  # no cycle through the runner (see above)
             plain = lambda model, ids, h, meta, uniform: model(ids, h, meta)  # inside the graph: no nested replay
-            self.draft_steps = DraftSteps(self.target, lambda ids, aux, meta, nxt, rej: draft()(
-                ids, aux, meta, nxt, rej, K, True, plain), K, dev, capture, self.pool)
+            self.draft_steps = DraftSteps(self.target, lambda ids, aux, meta, nxt, rej, n: draft()(
+                ids, aux, meta, nxt, rej, n, True, plain), K, dev, capture, self.pool)
 
     def sets(self) -> list[GraphSet]:
         return [s for s in (self.target, self.drafter) if s is not None]
@@ -304,7 +316,7 @@ class GraphRunner:
             todo += [(self.drafter, (b, b * q)) for b in self.buckets for q in self.draft_lens]
         todo += [(s, (s.mixed_seqs, t)) for s in self.sets() for t in s.mixed_buckets]
         # the drafter steps last: each reads a target graph's output buffer, made by the target's first capture
-        steps = [(self.draft_steps, key) for key in self.draft_steps.keys] if self.draft_steps is not None else []
+        steps = [(self.draft_steps, (*key, self.K)) for key in self.draft_steps.keys] if self.draft_steps else []
         for graphs, key in sorted(todo, key=lambda t: t[1][1], reverse=True) + sorted(steps, key=lambda t: -t[1][1]):
             if key not in graphs.graphs:
                 graphs.capture_one(key)

@@ -110,8 +110,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
-        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify
-        (P-EAGLE always drafts K: its one pass costs the same for any number of MASK slots)."""
+        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify."""
         inp = self._inputs(batch)
         meta = ForwardMeta(positions=inp.positions, query_start_loc=inp.query_start_loc, seq_lens=inp.seq_lens,
                            slot_mapping=inp.slot_mapping, block_tables=inp.block_tables)
@@ -119,6 +118,9 @@ class ModelRunner:
         uniform = is_uniform_decode(batch)
         key = self.graphs.target.key(len(batch), inp.input_ids.shape[0], uniform, inp.block_tables.shape[1]) \
             if self.graphs is not None else None
+        n = self.K if draft_len is None else min(self.K, max(1, draft_len))
+        if key is not None and self.graphs.draft_steps is not None:
+            self.graphs.draft_steps.ensure(key, n)  # a first capture pads the target's buffers: before they load
         if key is not None:
             hidden, aux = self.graphs.target.run(inp.input_ids, None, meta, key)
         else:
@@ -127,7 +129,6 @@ class ModelRunner:
         tokens, num_accepted, next_ids = self._verify(batch, hidden, inp)
         drafts = None
         if self.drafter is not None:
-            n = self.K if draft_len is None or self.mode == "peagle" else min(self.K, max(1, draft_len))
             drafts = self._draft(key, uniform, inp.input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
         return self._to_host(batch, tokens, num_accepted, drafts)
 
