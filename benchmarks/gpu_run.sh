@@ -2,6 +2,7 @@
 # The GPU runs behind docs/benchmarks/, one section per lent-machine call (each well inside 10 minutes).
 # Results land in $OUT (the device tool brings them back); run from the repository root:
 #   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, routing, drafter GEMMs by M, `peagle bench`
+#   bash benchmarks/gpu_run.sh gpu-tests # one H200: every GPU test (bench runs them under a 280 s cut)
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
@@ -37,8 +38,10 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
 }
 
 case "${1:-}" in
-  bench)  # one H200: GPU tests, where a bs-1 step's time goes, then `peagle bench`
-    timeout 280 python3 -m pytest -v -p no:cacheprovider -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+  bench)  # one H200: GPU tests (the graph tests first: the 280 s cut the last run at 74%), where a bs-1 step's
+           # time goes, then `peagle bench`; `gpu-tests` runs all of them with the whole call's time
+    timeout 280 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=20 tests/test_graphs.py \
+      $(echo $GPU_TESTS | tr ' ' '\n' | grep -v test_graphs) > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
     # --pdl: the decode graph again with PEAGLE_PDL=1 (programmatic dependent launch; an estimated 10-20 s more,
     # compiling the PDL variants of the kernels at the 20B shape); the GPU tests above already ran every kernel with it
@@ -46,6 +49,10 @@ case "${1:-}" in
     timeout 30 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
     timeout 60 python3 benchmarks/gemm_m.py --out "$OUT" > /dev/null 2>&1
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tail -n 40
+    ;;
+  gpu-tests)  # one H200: every GPU test, with their durations
+    timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=30 $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 40
     ;;
   moe-tiles)  # one H200: MoE launch shapes at decode sizes (docs/benchmarks/moe_tiles.*)
     timeout 300 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3
