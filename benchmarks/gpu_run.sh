@@ -113,7 +113,7 @@ case "${1:-}" in
     # one process a GPU: two training processes time-sharing one GPU ran 3-5x slower per token (train_speed.md)
     REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads /tmp/heads \
       --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
-      --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}"
+      --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}" --peagle-layers "${PEAGLE_LAYERS:-2}"
     ;;
   train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
                 # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)

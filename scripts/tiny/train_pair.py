@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--head-compile", action="store_true", help="torch.compile the heads (`peagle train --compile`)")
     ap.add_argument("--aux-layers", default="1,3,5", help="target layer ids whose input residuals feed the heads "
                     "(6 = the target's last residual)")
+    ap.add_argument("--peagle-layers", type=int, default=2, help="P-EAGLE head layers (each ~1.7 MB in bf16 at this "
+                    "width; the package holds 40 MB in all: 4 fit)")
     ap.add_argument("--eval-tokens", type=int, default=128)
     args = ap.parse_args()
     data, out = Path(args.data), Path(args.out)
@@ -117,7 +119,7 @@ def main() -> None:
         common += ["--compile"]
     report["heads_train_s"] = run(
         [py, "-m", "peagle_core.training.cli", "train", *common, "--method", "peagle", "--num-depths", "8",
-         "--layers", "2", "--mask-token-id", "9", "--out", str(heads["peagle"]),
+         "--layers", str(args.peagle_layers), "--mask-token-id", "9", "--out", str(heads["peagle"]),
          "--log-jsonl", str(out / "peagle_train.jsonl")],
         [py, "-m", "peagle_core.training.cli", "train", *common, "--method", "eagle3", "--num-depths", "5",
          "--layers", "1", "--out", str(heads["eagle3"]), "--log-jsonl", str(out / "eagle3_train.jsonl")])
