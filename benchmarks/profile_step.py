@@ -18,10 +18,10 @@ construction.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
+from unittest import mock
 from pathlib import Path
 
 import torch
@@ -59,23 +59,10 @@ def profile_calls(fn, dev: torch.device, steps: int) -> tuple[float, list[dict]]
     return wall, kernel_table(prof, steps)
 
 
-@contextlib.contextmanager
-def pdl_on():
-    """PEAGLE_PDL=1 while building, capturing and running one case; the previous value after."""
-    previous = os.environ.get("PEAGLE_PDL")
-    os.environ["PEAGLE_PDL"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("PEAGLE_PDL")
-        else:
-            os.environ["PEAGLE_PDL"] = previous
-
-
 def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int, pdl: bool = False) -> dict:
     dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
-    with pdl_on() if pdl else contextlib.nullcontext():  # a fresh runner: its graphs are captured with it
+    # PEAGLE_PDL=1 while a fresh runner is built, captured and run (the kernels read it at capture)
+    with mock.patch.dict(os.environ, {"PEAGLE_PDL": "1"} if pdl else {}):
         pdl_used = use_pdl(torch.empty(0, device=dev))
         runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
         batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)

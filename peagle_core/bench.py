@@ -353,8 +353,7 @@ def make_runner(target: GptOss, drafter: Drafter | None, mode: str, k: int, batc
                 device: torch.device, dtype: torch.dtype, seed: int, graphs: bool = False) -> ModelRunner:
     """A ModelRunner with room for `batch` requests, its paged caches filled with random K/V.
 
-    With `graphs`, decode-shaped steps replay CUDA graphs, all captured here as the engine does (a drafter
-    step's graph is never captured lazily: it reads the target graph's buffers, which then hold a step).
+    With `graphs`, decode-shaped steps replay CUDA graphs, captured here as the engine does (`capture_all`).
     """
     if drafter is None:
         target.set_aux_layers([])  # a runner with a drafter sets them; a plain decode step computes none

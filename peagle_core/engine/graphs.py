@@ -24,7 +24,7 @@ A replay copies the real inputs into static buffers sized for the largest bucket
 replays, and returns views of static output buffers (valid until the same model's next replay).
 All graphs share one memory pool and are captured largest first (as nano-vllm does,
 reference/aesthetics.md §1.4); every intermediate dies inside its own graph, so any replay order is safe.
-Logits and sampling stay outside the graphs.
+The target's logits and sampling stay outside the graphs (the drafter step's LM head and argmax are inside).
 
 `capture=False` keeps everything but the capture: "replay" calls the model on the padded static
 buffers. The CPU tests use it to prove that padding and metadata give the eager runner's greedy tokens;
@@ -267,7 +267,7 @@ class DraftSteps:
 
 
 class GraphRunner:
-    """A ModelRunner's graphs: the target's verify forward and the drafter's forward, one memory pool."""
+    """A ModelRunner's graphs: the target's verify forward, the drafter's steps and forwards, one memory pool."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool = True,
                  max_num_batched_tokens: int | None = None):
