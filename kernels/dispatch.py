@@ -25,11 +25,19 @@ Rules every kernel with `USE_PDL` follows (and any new one must):
    programs waited for it; a program (or a whole grid) that exits without waiting lets a later kernel's wait
    return while an earlier kernel is still writing, and the chain breaks. Kernels with the "last program
    finishes" atomic counter (`triton_routing.py`) wait before touching the counter too (it is at the top).
-2. `gdc_launch_dependents()` comes right after the wait. It only lets the next grid's programs become
-   resident early (they then sit in their own `gdc_wait` until this grid has completed and flushed), and it
-   fires only once every program of this grid has been scheduled, so it cannot starve this grid.
+2. `gdc_launch_dependents()` is the kernel's last statement (programs that return early trigger by exiting).
+   It lets the next grid's programs become resident; they then sit in their own `gdc_wait` until this grid
+   has completed and flushed. Right after the wait (the first version) it cost time: measured on an H200
+   (`benchmarks/profile_step.py --pdl`, 20B shape, bs 1, graphs) the decode step took 3.347 ms against 3.179
+   ms without PDL, and the kernel that follows the MoE up-projection was resident for most of it (MoE down
+   1095 us a step instead of 537; our reading: waiting programs held registers and shared memory the running
+   grid could use). Triggered last, PDL cost nothing and bought nothing (3.335 vs 3.351 ms, a later run):
+   with every kernel waiting at its top, all it can hide is the launch itself. Where the trigger sits changes
+   only scheduling, never what a kernel reads (rule 1): the bit-exact PDL GPU tests passed with the first
+   placement; this one has run on a GPU only in that profile (engine steps, no check of the tokens).
 3. Weights are never written by an earlier kernel, so a kernel could prefetch weight tiles before its wait.
-   None does yet (the first version waits first, everywhere).
+   None does: which expert tiles the MoE kernels read comes from the routing kernel before them, and the
+   other large reads (K/V, activations) are written by the kernel before, so little is left to prefetch.
 Kernels we do not launch (cuBLAS, PyTorch's) are unchanged: launched without the attribute they start after
 the previous kernel has completed, as before; a library kernel launched with it must wait in itself, as ours do.
 

@@ -72,7 +72,6 @@ def _paged_attn_kernel(
 ):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,6 +148,8 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + idx, m, mask=row_ok)
         tl.store(part_l_ptr + idx, l, mask=row_ok)
         tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @triton.jit
@@ -160,7 +161,6 @@ def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, out_pt
     """Merge the partial softmax states of one token's query heads of one kv head: [GROUP, S]."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     g = tl.arange(0, GROUP_PAD)
     head = tl.program_id(1) * GROUP + g
@@ -186,6 +186,8 @@ def _merge_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, out_pt
     out = tl.sum(acc * w[:, :, None], 1) / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
     tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=(g[:, None] < GROUP) & d_ok[None, :])
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @functools.lru_cache(maxsize=None)

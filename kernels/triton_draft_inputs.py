@@ -31,7 +31,6 @@ def _prepare_kernel(tok_ptr, pos_ptr, next_ptr, qsl_ptr, nrej_ptr,
                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     blk = tl.program_id(1)
     qs = tl.load(qsl_ptr + r).to(tl.int64)
@@ -63,6 +62,8 @@ def _prepare_kernel(tok_ptr, pos_ptr, next_ptr, qsl_ptr, nrej_ptr,
         tl.store(sample_out + r.to(tl.int64) * P + (j - num_valid), o, mask=inside & (is_bonus | is_masked))
         # Target token j (rejected ones included) hands its hidden state to slot j: not shifted.
         tl.store(map_out + qs + j, o, mask=j < q_len)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 def prepare_draft_inputs_triton(target_token_ids: torch.Tensor, target_positions: torch.Tensor,
@@ -107,7 +108,6 @@ def _fill_hidden_kernel(src_ptr, map_ptr, masked_ptr, shared_ptr, out_ptr,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < n_out
@@ -131,6 +131,8 @@ def _fill_hidden_kernel(src_ptr, map_ptr, masked_ptr, shared_ptr, out_ptr,
     shared = tl.load(shared_ptr + cols, mask=col_ok, other=0.0)
     out = tl.where(masked[:, None], shared[None, :], x.to(out_ptr.dtype.element_ty))
     tl.store(out_ptr + rows64[:, None] * stride_out + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 def fill_hidden_triton(target_hidden: torch.Tensor, hidden_map: torch.Tensor, is_masked: torch.Tensor,

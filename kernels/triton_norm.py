@@ -32,7 +32,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
                          USE_PDL: tl.constexpr = False):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < H
@@ -50,6 +49,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / H + eps)  # padding lanes are 0: they add nothing
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * (x * r)).to(out_ptr.dtype.element_ty), mask=inside)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -77,7 +77,6 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, v_ptr, k_cache_pt
                  PAGE: tl.constexpr, WRITE_KV: tl.constexpr, USE_PDL: tl.constexpr = False):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     cos = tl.load(cos_ptr + t * sc_t + d * sc_d, mask=d < HALF, other=0.0).to(tl.float32)[None, :]
@@ -93,6 +92,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, v_ptr, k_cache_pt
             if slot >= 0:  # -1: padding / rejected token, nothing to store
                 _store_kv_token(k1, k2, v_ptr + t * sv_t, k_cache_ptr, v_cache_ptr, slot, Hkv, HALF, sv_h, sv_d,
                                 skc_b, skc_s, skc_h, svc_b, svc_s, svc_h, PAGE, BLOCK_HKV, BLOCK_D)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 def check_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

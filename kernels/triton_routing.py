@@ -124,11 +124,12 @@ def _route_kernel(logits_ptr, gates_ptr, experts_ptr, num_tokens, num_experts, s
     """Routing of BLOCK_T tokens from precomputed logits [T, E] (batches too large for one launch; no sort)."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     logits = _load_logits(logits_ptr, rows, num_tokens, num_experts, stride_lt, E_PAD, "")
     _pick_and_store(logits, rows, gates_ptr, experts_ptr, gates_ptr, gates_ptr, num_tokens, num_experts,  # no sort:
                     TOP_K, K_PAD, E_PAD, BLOCK_T, False, 1)  # order/offsets unused
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @triton.jit
@@ -190,7 +191,6 @@ def _logits_route_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, gates_pt
     # PDL: every program waits for the previous kernel first, so also before the arrival counter's atomic
     if USE_PDL:  # (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
                     LOGIT_T, BLOCK_E, BLOCK_H)
     # Every thread's stores precede the barrier, the barrier precedes the release (one thread's atomic): the
@@ -204,6 +204,8 @@ def _logits_route_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, gates_pt
                                SPLITS, E_PAD, BLOCK_T)
         _pick_and_store(logits, rows, gates_ptr, experts_ptr, order_ptr, offsets_ptr, num_tokens, num_experts,
                         TOP_K, K_PAD, E_PAD, BLOCK_T, SORT, SORT_E_PAD)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 # Per device, the arrival counter of `_logits_route_kernel`: 0 between launches, since the program that

@@ -96,7 +96,6 @@ def _rejection_kernel(logits_ptr, probs_ptr, draft_ptr, cu_ptr, temp_ptr, u_ptr,
                       BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr = False):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     start = tl.load(cu_ptr + b).to(tl.int64)
     n_rows = tl.load(cu_ptr + b + 1).to(tl.int64) - start
@@ -139,6 +138,8 @@ def _rejection_kernel(logits_ptr, probs_ptr, draft_ptr, cu_ptr, temp_ptr, u_ptr,
         cols = off + tl.arange(0, BLOCK_R)
         tl.store(out + cols, tl.full([BLOCK_R], -1, dtype=tl.int64), mask=(cols > num_acc) & (cols < max_rows))
     tl.store(nacc_ptr + b, num_acc)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 def rejection_sample_triton(logits: torch.Tensor, draft_ids: torch.Tensor, cu_rows: torch.Tensor,

@@ -16,7 +16,8 @@ from kernels.norm import add_rms_norm
 from kernels.rope import apply_rope
 
 KERNEL_FILES = sorted((Path(__file__).resolve().parents[1] / "kernels").glob("triton_*.py"))
-WAIT_FIRST = "if USE_PDL:\n    tl.extra.cuda.gdc_wait()\n    tl.extra.cuda.gdc_launch_dependents()"
+WAIT_FIRST = "if USE_PDL:\n    tl.extra.cuda.gdc_wait()"
+TRIGGER_LAST = "if USE_PDL:\n    tl.extra.cuda.gdc_launch_dependents()"
 
 
 def test_pdl_is_off_on_cpu_and_under_the_interpreter(monkeypatch):
@@ -60,11 +61,12 @@ def _is_pdl_launch(node: ast.expr) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "pdl_launch"
 
 
-def test_every_kernel_waits_first_and_every_launch_passes_pdl_launch():
-    """The rule of kernels/dispatch.py, for every kernel launched in kernels/triton_*.py: a trailing
-    `USE_PDL: tl.constexpr = False`, and as its first statement (after the docstring), before any early return,
-    `gdc_wait()` then `gdc_launch_dependents()` under `if USE_PDL:`; each launch passes `**pdl_launch(t)` (directly
-    or in a dict of launch options), so the launch attribute never comes without the wait."""
+def test_every_kernel_waits_first_triggers_last_and_every_launch_passes_pdl_launch():
+    """The rules of kernels/dispatch.py, for every kernel launched in kernels/triton_*.py: a trailing
+    `USE_PDL: tl.constexpr = False`; as its first statement (after the docstring), before any early return,
+    `gdc_wait()` under `if USE_PDL:`, and `gdc_launch_dependents()` under `if USE_PDL:` as its last statement
+    and nowhere else; each launch passes `**pdl_launch(t)` (directly or in a dict of launch options), so the
+    launch attribute never comes without the wait."""
     checked = []
     for path in KERNEL_FILES:
         tree = ast.parse(path.read_text())
@@ -90,5 +92,7 @@ def test_every_kernel_waits_first_and_every_launch_passes_pdl_launch():
             if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 body = body[1:]  # the docstring
             assert ast.unparse(body[0]) == WAIT_FIRST, f"{path.name}: {name} must wait first, in every program"
+            assert ast.unparse(body[-1]) == TRIGGER_LAST, f"{path.name}: {name} must let its dependents launch last"
+            assert ast.unparse(fn).count("gdc_launch_dependents") == 1, f"{path.name}: {name} triggers twice"
             checked.append(name)
     assert len(set(checked)) >= 14, sorted(set(checked))
