@@ -18,7 +18,9 @@ Both GEMMs are "grouped": expert e owns the M-tile ids `[off[e] // BLOCK_M + e, 
 At decode sizes (T <= 64) BLOCK_M covers every token, so each selected expert is one M-tile and
 its weights stream from memory exactly once: GEMV-like, bandwidth-bound (H200, GPT-OSS-20B shape:
 ~2.4 TB/s of expert weights at T=1, ~3.9 TB/s at T=16..64); N is cut small to spread those
-weights over many programs.
+weights over many programs. There M-tile i is simply the i-th expert with rows, and the grid launches
+min(E, T*k) M-tiles instead of T*k // BLOCK_M + E (`_expert_rows`): at T = 1, 4 of 32 rather than 32 of
+which 28 only find their expert empty (2,520 of the up-projection's 2,880 programs at the 20B shape).
 """
 from __future__ import annotations
 
@@ -35,12 +37,29 @@ from kernels.triton_routing import SORT_MAX_ELEMS, counting_sort, route_and_sort
 
 
 @triton.jit
-def _expert_rows(offsets_ptr, num_experts, BLOCK_M: tl.constexpr):
-    """Expert of this M-tile and its sorted rows; `first >= end` means the tile is empty."""
-    e = segment_of_tile(offsets_ptr, num_experts, tl.program_id(0), BLOCK_M)
-    begin = tl.load(offsets_ptr + e)
-    end = tl.load(offsets_ptr + e + 1)
-    first = begin + (tl.program_id(0) - (begin // BLOCK_M + e)) * BLOCK_M
+def _expert_rows(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr):
+    """Expert of this M-tile and its sorted rows; `first >= end` means the tile is empty.
+
+    ONE_TILE (every expert's rows fit one M-tile, BLOCK_M >= T; `RoutedPairs`): M-tile i is the i-th expert
+    that has rows, found from one vector load of the offsets, and the grid has min(E, T*k) M-tiles. Otherwise
+    expert e owns the tile ids of `segment_of_tile`, found by binary search, and the grid has one M-tile per
+    expert more than the rows need (T*k // BLOCK_M + E), since any expert may hold a partial tile."""
+    tile = tl.program_id(0)
+    if ONE_TILE:
+        ex = tl.arange(0, E_PAD)
+        ok = ex < num_experts
+        begins = tl.load(offsets_ptr + ex, mask=ok, other=0)
+        ends = tl.load(offsets_ptr + ex + 1, mask=ok, other=0)
+        has_rows = ok & (ends > begins)
+        mine = has_rows & (tl.cumsum(has_rows.to(tl.int32), 0) == tile + 1)  # at most one expert; none: empty
+        e = tl.sum(tl.where(mine, ex, 0), 0)
+        first = tl.sum(tl.where(mine, begins, 0), 0)
+        end = tl.sum(tl.where(mine, ends, 0), 0)
+    else:
+        e = segment_of_tile(offsets_ptr, num_experts, tile, BLOCK_M)
+        begin = tl.load(offsets_ptr + e)
+        end = tl.load(offsets_ptr + e + 1)
+        first = begin + (tile - (begin // BLOCK_M + e)) * BLOCK_M
     return e, first, end
 
 
@@ -73,11 +92,10 @@ def _moe_up_kernel(x_ptr, w1_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
                    num_experts, hidden, inter, alpha, limit,
                    stride_xt, stride_we, stride_wn, stride_be, stride_ht,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PREC: tl.constexpr, USE_PDL: tl.constexpr = False):
+                   DOT_PREC: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
     if first >= end:
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -104,6 +122,8 @@ def _moe_up_kernel(x_ptr, w1_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
 
     _swiglu_store(acc_gate, acc_up, b1_ptr + e.to(tl.int64) * stride_be, h_ptr, stride_ht, rows, row_ok, cols, col_ok,
                   alpha, limit)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @triton.jit
@@ -111,11 +131,10 @@ def _moe_down_kernel(h_ptr, w2_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets
                      num_experts, hidden, inter,
                      stride_ht, stride_we, stride_wn, stride_be, stride_yt,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
     if first >= end:
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -135,6 +154,8 @@ def _moe_down_kernel(h_ptr, w2_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
 
     _weighted_store(acc, b2_ptr + e.to(tl.int64) * stride_be, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @triton.jit
@@ -143,10 +164,11 @@ def _sort_pairs_kernel(experts_ptr, order_ptr, offsets_ptr, num_pairs, num_exper
     """One program: a stable counting sort of the pairs by expert (small batches only)."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     p = tl.arange(0, PAIRS_PAD)
     expert = tl.load(experts_ptr + p, mask=p < num_pairs, other=EXPERTS_PAD)  # padding matches no expert
     counting_sort(expert, p, order_ptr, offsets_ptr, num_pairs, num_experts, EXPERTS_PAD)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +223,19 @@ class RoutedPairs:
     order: torch.Tensor    # [T*k] int32: the pair at each expert-sorted row
     offsets: torch.Tensor  # [E+1] int32: expert e owns sorted rows [offsets[e], offsets[e+1])
     tiles: MoeTiles
-    m_tiles: int           # grid size along M: enough tiles for any routing (fixed by T, k and E)
+    num_experts: int
+    one_tile: bool         # every expert's rows fit one M-tile (an expert has at most T rows; T <= BLOCK_M)
+
+    @property
+    def m_tiles(self) -> int:
+        """Grid size along M: enough M-tiles for any routing (fixed by T, k and E, so by a captured graph)."""
+        pairs = self.order.shape[0]
+        return min(self.num_experts, pairs) if self.one_tile else pairs // self.tiles.block_m + self.num_experts
+
+    def kernel_args(self) -> dict:
+        """The M-tiling constexprs every grouped MoE kernel takes (`_expert_rows`)."""
+        return dict(BLOCK_M=self.tiles.block_m, ONE_TILE=self.one_tile,
+                    E_PAD=triton.next_power_of_2(self.num_experts))
 
 
 def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int) -> RoutedPairs:
@@ -211,7 +245,7 @@ def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tens
     gates, experts, sorted_pairs = route_and_sort_pairs(x, router_w, router_b, top_k)
     order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
     tiles = moe_tiles(T, top_k)
-    return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, T * top_k // tiles.block_m + E)
+    return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, E, one_tile=T <= tiles.block_m)
 
 
 def token_outputs(y: torch.Tensor, num_tokens: int, top_k: int, reduce: bool) -> torch.Tensor:
@@ -244,14 +278,14 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
     _moe_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n))](
         x, w1, b1, h, r.order, r.offsets, E, H, inter, float(alpha), float(limit),
         x.stride(0), w1.stride(0), w1.stride(1), b1.stride(0), h.stride(0),
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.up_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
+        TOP_K=top_k, BLOCK_N=tiles.up_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec, **r.kernel_args(),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
     y = torch.empty(T * top_k, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
     _moe_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n))](
         h, w2, b2, r.gates, y, r.order, r.offsets, E, H, inter,
         h.stride(0), w2.stride(0), w2.stride(1), b2.stride(0), y.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec,
+        BLOCK_N=tiles.down_n, BLOCK_K=tiles.block_k, DOT_PREC=dot_prec, **r.kernel_args(),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
     return token_outputs(y, T, top_k, reduce)
 

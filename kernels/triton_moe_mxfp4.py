@@ -90,12 +90,11 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
                          stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+                         ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
     if first >= end:
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -119,6 +118,8 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
                              BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     _swiglu_store(acc_gate, acc_up, b1_ptr + e.to(tl.int64) * stride_be, h_ptr, stride_ht, rows, row_ok, cols, col_ok,
                   alpha, limit)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @triton.jit
@@ -127,12 +128,11 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
                            stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
+                           ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted)."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M)
+    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
     if first >= end:
         return
     rows = first + tl.arange(0, BLOCK_M)
@@ -150,6 +150,8 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
         a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
         acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     _weighted_store(acc, b2_ptr + e.to(tl.int64) * stride_be, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 _LHS_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -187,7 +189,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
 
     r = route_and_sort(x, router_w, router_b, top_k)
     tiles = r.tiles  # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
-    common = dict(BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled,
+    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 

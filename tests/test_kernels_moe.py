@@ -79,6 +79,23 @@ def test_sort_pairs_by_expert(triton_interpret, T, E, k):
     assert offsets.tolist() == [0] + torch.bincount(flat, minlength=E).cumsum(0).tolist()
 
 
+@pytest.mark.parametrize("T,E,k", [(1, 32, 4), (3, 5, 2), (64, 6, 3), (150, 8, 4)])
+def test_m_tiles_at_decode_sizes_are_the_selected_experts(triton_interpret, T, E, k):
+    """Where every expert's rows fit one M-tile (T <= BLOCK_M: an expert gets at most one row a token), the
+    grouped GEMMs launch min(E, T*k) M-tiles, one per expert that can have rows; the general tiling would launch
+    T*k // BLOCK_M + E (at decode, T = 1 with 32 experts: 32 M-tiles, 28 of them empty). The outputs of both
+    tilings are checked against the reference in test_moe_matches_reference (T = 1, 3, 24, 64: one tile; 150:
+    general)."""
+    p = make_moe(T, 16, 8, E, seed=T)
+    r = triton_interpret.moe.route_and_sort(p["x"], p["router_w"], p["router_b"], k)
+    selected = len(set(route(p["x"], p["router_w"], p["router_b"], k)[1].flatten().tolist()))
+    if T <= r.tiles.block_m:
+        assert r.one_tile and r.m_tiles == min(E, T * k) >= selected
+    else:
+        assert not r.one_tile and r.m_tiles == T * k // r.tiles.block_m + E
+    assert r.kernel_args() == dict(BLOCK_M=r.tiles.block_m, ONE_TILE=r.one_tile, E_PAD=1 << (E - 1).bit_length())
+
+
 def test_moe_empty_batch(triton_interpret):
     p = make_moe(0, 16, 16, 4)
     assert moe(**p, top_k=2, alpha=ALPHA, limit=7.0).shape == (0, 16)
