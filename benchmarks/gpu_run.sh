@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
-#   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt)
+#   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz)
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
@@ -89,9 +89,12 @@ case "${1:-}" in
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
     ;;
-  pair-pretrain)  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt). Its checkpoint comes back in
-                  # 15 MB parts (16 MiB a file): `cat target.tgz.* | tar xz -C data` gives data/target, then
-                  # `TARGET=data/target ... pair-heads` (carry data/target too) trains heads on its answers
+  pair-pretrain)  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz: `xz -k data/tiny_tokens.pt`,
+                  # as the 27 MB tokens and the tracked tree pass the 64 MiB carry limit). Its checkpoint comes back in
+                  # 15 MB parts (16 MiB a file): `cat target.tgz.* | tar xz -C data` gives data/target; for
+                  # pair-heads copy its weights over peagle_core/assets/tiny/target/ for the call (29 MB more
+                  # does not fit the carry; tracked files travel) and restore them after (tiny_heads.md)
+    [ -f data/tiny_tokens.pt ] || python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('data/tiny_tokens.pt.xz'), open('data/tiny_tokens.pt', 'wb'))" || exit 1
     timeout "${PRETRAIN_TIMEOUT:-560}" python3 scripts/tiny/pretrain.py --tokens data/tiny_tokens.pt --out /tmp/target \
       --minutes "${PRETRAIN_MINUTES:-8.5}" > "$OUT/pretrain.log" 2>&1
     tail -n 3 "$OUT/pretrain.log"
@@ -113,7 +116,8 @@ case "${1:-}" in
     # one process a GPU: two training processes time-sharing one GPU ran 3-5x slower per token (train_speed.md)
     REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads /tmp/heads \
       --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
-      --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}" --peagle-layers "${PEAGLE_LAYERS:-2}"
+      --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}" --peagle-layers "${PEAGLE_LAYERS:-2}" \
+      ${HEADS_INIT:+--init-heads "$HEADS_INIT"}  # HEADS_INIT=DIR (carry it): continue from DIR's peagle/ and eagle3/
     ;;
   train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
                 # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)

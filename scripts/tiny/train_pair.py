@@ -89,6 +89,8 @@ def main() -> None:
                     "(6 = the target's last residual)")
     ap.add_argument("--peagle-layers", type=int, default=2, help="P-EAGLE head layers (each ~1.7 MB in bf16 at this "
                     "width; the package holds 40 MB in all: 4 fit)")
+    ap.add_argument("--init-heads", help="a pair directory whose peagle/ and eagle3/ heads the training continues "
+                    "from (`peagle train --init`; their layers, aux layers and mask token then hold)")
     ap.add_argument("--eval-tokens", type=int, default=128)
     args = ap.parse_args()
     data, out = Path(args.data), Path(args.out)
@@ -117,12 +119,14 @@ def main() -> None:
         common += ["--pass-elements", str(args.head_pass_elements)]
     if args.head_compile:
         common += ["--compile"]
+    def init(method: str) -> list[str]:  # continue from earlier heads (several calls of a time-limited machine)
+        return ["--init", str(Path(args.init_heads) / method)] if args.init_heads else []
     report["heads_train_s"] = run(
         [py, "-m", "peagle_core.training.cli", "train", *common, "--method", "peagle", "--num-depths", "8",
-         "--layers", str(args.peagle_layers), "--mask-token-id", "9", "--out", str(heads["peagle"]),
+         "--layers", str(args.peagle_layers), "--mask-token-id", "9", *init("peagle"), "--out", str(heads["peagle"]),
          "--log-jsonl", str(out / "peagle_train.jsonl")],
         [py, "-m", "peagle_core.training.cli", "train", *common, "--method", "eagle3", "--num-depths", "5",
-         "--layers", "1", "--out", str(heads["eagle3"]), "--log-jsonl", str(out / "eagle3_train.jsonl")])
+         "--layers", "1", *init("eagle3"), "--out", str(heads["eagle3"]), "--log-jsonl", str(out / "eagle3_train.jsonl")])
     if args.stop_after == "heads":
         return finish(out, report)
     report["eval_s"] = run([py, "scripts/tiny/evaluate.py", "--pair", str(out), "--prompts", "80",
