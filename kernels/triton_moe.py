@@ -223,8 +223,11 @@ class RoutedPairs:
     order: torch.Tensor    # [T*k] int32: the pair at each expert-sorted row
     offsets: torch.Tensor  # [E+1] int32: expert e owns sorted rows [offsets[e], offsets[e+1])
     tiles: MoeTiles
-    num_experts: int
     one_tile: bool         # every expert's rows fit one M-tile (an expert has at most T rows; T <= BLOCK_M)
+
+    @property
+    def num_experts(self) -> int:
+        return self.offsets.shape[0] - 1
 
     @property
     def m_tiles(self) -> int:
@@ -245,7 +248,7 @@ def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tens
     gates, experts, sorted_pairs = route_and_sort_pairs(x, router_w, router_b, top_k)
     order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
     tiles = moe_tiles(T, top_k)
-    return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, E, one_tile=T <= tiles.block_m)
+    return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, one_tile=T <= tiles.block_m)
 
 
 def token_outputs(y: torch.Tensor, num_tokens: int, top_k: int, reduce: bool) -> torch.Tensor:
