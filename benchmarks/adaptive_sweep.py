@@ -702,7 +702,8 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
             engine.stats = type(engine.stats)()
             if a.warmup_steps:
                 run_level(engine, prompts, C, 1, max(2, a.warmup_steps), a.seed + 1, tag="warmup")
-                engine.policy = copy.deepcopy(fresh)
+                if not a.warm_policy:  # else the measured wave starts from what the warm-up wave at C learnt
+                    engine.policy = copy.deepcopy(fresh)
                 engine.stats = type(engine.stats)()
             cell = {"policy": policy, "concurrency": C, "round": rnd, "K": engine.K, "status": "ok",
                     "spec": spec, "replayed_verify_steps": None}
@@ -721,6 +722,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
               "machine": machine(device), "command": command_line(), "date": _dt.date.today().isoformat(),
               "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
               "prompts": a.prompts, "waves": a.waves, "min_requests": a.min_requests, "rounds": a.rounds,
+              "warmup_steps": a.warmup_steps, "warm_policy": a.warm_policy,
               "acceptance": ({"replay": str(a.replay), "trace": (trace.source if trace else None),
                               "trace_acceptance_length_at_K": trace.acceptance_length() if trace else None}
                              if trace else "real (the model's own drafts)"),
@@ -953,6 +955,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup-steps", type=int, default=None,
                    help="tokens of an untimed warm-up wave per level (default: 16 on CUDA, where a level's first "
                         "steps would otherwise time Triton compiling its prefill shapes; 0 on a CPU)")
+    s.add_argument("--warm-policy", action="store_true",
+                   help="measure each level from the policy state its warm-up wave learnt (steady state at C: "
+                        "a long-running server's policy has seen the load before) instead of the start-up state "
+                        "(which charges every level the policy's learning); fixed policies have no state")
     s.add_argument("--prompts", default=None, choices=["heldout", "random"],
                    help="heldout (tiny default) or random token ids (random-weight default)")
     s.add_argument("--prompt-len", type=int, default=128)

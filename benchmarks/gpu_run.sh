@@ -72,12 +72,13 @@ case "${1:-}" in
     ;;
   adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape;
              # at least MIN_REQUESTS requests per level, ROUNDS interleaved rounds (cells: the median; the spread
-             # between engines built alike was 20% on the H200, 47% for the tiny pair, in single-round sweeps)
+             # between engines built alike was 20% on the H200, 47% for the tiny pair, in single-round sweeps);
+             # SWEEP_ARGS: more sweep flags (later ones win), e.g. "--warm-policy --warmup-steps 32 --prewarm-policy="
     timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
       --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" \
       --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive \
       --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
-      --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
+      ${SWEEP_ARGS:-} --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
     ;;
   adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance)

@@ -21,9 +21,17 @@ import kernels.triton_moe as tm  # noqa: E402
 from peagle_core.bench import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
-# (block_m, up_n, down_n, block_k, num_warps, num_stages); the first is the shipped choice for T <= 32
-CANDIDATES = [(16, 32, 64, 128, 4, 4), (16, 32, 32, 128, 4, 4), (16, 16, 32, 128, 4, 4), (16, 16, 16, 256, 4, 4),
-              (16, 32, 32, 256, 8, 3), (16, 64, 64, 128, 8, 4), (16, 32, 32, 128, 2, 4), (16, 16, 16, 128, 2, 5)]
+# (block_m, up_n, down_n, block_k, num_warps, num_stages) per layer; each list starts with the shipped choice for
+# T <= 32. The first run's eight shared candidates (docs/benchmarks/moe_tiles.md) left bf16 flat around the
+# shipped tiles and MXFP4 best at 2 warps, so each list now varies what that run did not isolate: bf16's down
+# tile alone (its 180 programs on 132 SMs), MXFP4's warps and tiles around 2 warps.
+CANDIDATES = {
+    "20b-bf16": [(16, 32, 64, 128, 4, 4), (16, 32, 32, 128, 4, 4), (16, 32, 16, 128, 4, 4), (16, 32, 64, 256, 4, 3),
+                 (16, 32, 32, 64, 4, 6), (16, 32, 64, 128, 4, 5), (16, 64, 64, 64, 4, 6), (16, 32, 16, 256, 4, 3)],
+    "120b-mxfp4": [(16, 32, 64, 128, 4, 4), (16, 32, 32, 128, 2, 4), (16, 32, 64, 128, 2, 4), (16, 64, 64, 128, 2, 4),
+                   (16, 32, 32, 256, 2, 3), (16, 32, 32, 128, 1, 4), (16, 16, 32, 128, 1, 4), (16, 32, 32, 128, 2, 6),
+                   (16, 64, 128, 128, 4, 4)],
+}
 
 
 def time_graph(fn, reps: int = 20, trials: int = 5) -> float:
@@ -67,8 +75,8 @@ def main() -> None:
             with torch.no_grad():
                 experts = torch.topk(x.float() @ layer.router.weight.float().T, layer.top_k).indices.unique().numel()
             nbytes = experts * expert_bytes
-            for c in CANDIDATES:
-                tm.moe_tiles = lambda n, k, c=c: tm.MoeTiles(*c) if n <= 32 else shipped(n, k)
+            for c in CANDIDATES[name]:
+                tm.moe_tiles = lambda n, k, mxfp4=False, c=c: tm.MoeTiles(*c) if n <= 32 else shipped(n, k, mxfp4)
                 try:
                     us = time_graph(lambda: layer(x))
                     row = {"layer": name, "T": T, "tiles": c, "us": us, "experts": experts,

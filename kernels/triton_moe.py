@@ -195,7 +195,8 @@ class MoeTiles:
     """Launch shapes, chosen from the batch size alone (so fixed per captured CUDA graph).
 
     `up_n` counts SwiGLU channels (2 * up_n rows of w1), `down_n` output columns. Measured on an
-    H200 at the GPT-OSS-20B shape (H = I = 2880, E = 32, k = 4, bf16).
+    H200 (`benchmarks/moe_tiles.py`): bf16 at the GPT-OSS-20B shape (H = I = 2880, E = 32, k = 4), MXFP4 at
+    the 120B shape (E = 128).
     """
     block_m: int
     up_n: int
@@ -205,7 +206,12 @@ class MoeTiles:
     num_stages: int
 
 
-def moe_tiles(num_tokens: int, top_k: int) -> MoeTiles:
+def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
+    if mxfp4 and num_tokens <= 16:
+        # Packed experts decode their weights in registers: at 16 rows (T = 1 and 8 measured on an H200 at the
+        # 120B shape, docs/benchmarks/moe_tiles.md) two warps with 32-wide N tiles ran a layer 13% (T = 1)
+        # and 25% (T = 8) faster than the bf16 tiles below, over two runs.
+        return MoeTiles(16, 32, 32, 128, 2, 4)
     if num_tokens <= 32:
         # An expert gets at most one row per token, so BLOCK_M >= T makes each selected expert a
         # single M-tile: its weights stream from memory once (GEMV-like, bandwidth-bound).
@@ -241,13 +247,14 @@ class RoutedPairs:
                     E_PAD=triton.next_power_of_2(self.num_experts))
 
 
-def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int) -> RoutedPairs:
+def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int,
+                   mxfp4: bool = False) -> RoutedPairs:
     """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights), on device: one launch at decode sizes (the
     routing kernel sorts the pairs too), else the routing kernel then `sort_pairs_by_expert`."""
     T, E = x.shape[0], router_w.shape[0]
     gates, experts, sorted_pairs = route_and_sort_pairs(x, router_w, router_b, top_k)
     order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
-    tiles = moe_tiles(T, top_k)
+    tiles = moe_tiles(T, top_k, mxfp4)
     return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, one_tile=T <= tiles.block_m)
 
 

@@ -187,7 +187,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     w2_blocks, w2_scales = _packed(w2_blocks, w2_scales)
     b1, b2 = b1.contiguous(), b2.contiguous()
 
-    r = route_and_sort(x, router_w, router_b, top_k)
+    r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True)
     tiles = r.tiles  # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
     common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",

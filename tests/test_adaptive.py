@@ -79,3 +79,46 @@ def test_adaptive_engine_output_equals_plain_greedy(tiny_pair, mode):
     assert isinstance(llm.engine.policy, AdaptiveDepth)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
     assert "k" in llm.engine.engine_stats()["policy"]
+
+
+def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
+    """The engine marks a step during which a CUDA graph was captured (a shape first met): its time is the
+    capture's. The adaptive policy keeps its acceptance evidence but not that time."""
+    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.spec.depth import FixedDepth
+
+    grid = lambda: StepGrid({1: [1e-3, 1.2e-3], 8: [2e-3, 2.4e-3]})
+    p = AdaptiveDepth(1, grid())
+    info = StepInfo(1, 0, 1)
+    p.choose(info)
+    p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2, timed=False))  # a 50 ms capture
+    assert p.times.rows == grid().rows and p.acceptance.reached[0] == 1
+    p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2))
+    assert p.times.rows != grid().rows
+
+    class Recorder(FixedDepth):
+        def observe(self, info, outcome):
+            seen.append(outcome.timed)
+
+    class Graphs:  # what the engine reads of its graphs: how many exist (one more after the first step)
+        num_graphs = 0
+
+    seen = []
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config={
+        "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 2, "parallel_drafting": True})
+    engine, runner = llm.engine, llm.engine.runner
+    engine.policy = Recorder(2)
+    execute = runner.execute
+
+    def capturing_once(batch, draft_len=None):
+        runner.graphs = None  # the real step runs eagerly on a CPU
+        try:
+            return execute(batch, draft_len)
+        finally:
+            runner.graphs = Graphs
+            Graphs.num_graphs = 1
+
+    runner.execute = capturing_once
+    runner.graphs = Graphs
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert seen[0] is False and seen[1:] and all(seen[1:])

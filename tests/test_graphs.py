@@ -116,7 +116,9 @@ def test_capture_needs_cuda_and_the_engine_stays_eager_on_cpu(tiny_pair):
 @pytest.mark.parametrize("mode,k,draft_lens,masks", [("none", 0, None, 0), ("peagle", 3, [], 2),
                                                      ("eagle3", 3, [1], 0)])
 @pytest.mark.parametrize("budget", [None, 100])
-def test_capture_all_covers_every_step_shape_largest_first(tiny_pair, monkeypatch, mode, k, draft_lens, masks, budget):
+@pytest.mark.parametrize("varies", [False, True])
+def test_capture_all_covers_every_step_shape_largest_first(tiny_pair, monkeypatch, mode, k, draft_lens, masks, budget,
+                                                           varies):
     graphs = GraphRunner(make_llm(tiny_pair, mode, k).engine.runner, MAX_SEQS, capture=False,
                          max_num_batched_tokens=budget)
     graphs.capture = True  # record what would be captured (capturing needs CUDA)
@@ -124,12 +126,14 @@ def test_capture_all_covers_every_step_shape_largest_first(tiny_pair, monkeypatc
     record = lambda self, key: (order.append((self.name, key)), self.graphs.__setitem__(key, None))
     monkeypatch.setattr("peagle_core.engine.graphs.GraphSet.capture_one", record)
     monkeypatch.setattr("peagle_core.engine.graphs.DraftSteps.capture_one", record)
-    assert graphs.capture_all() == len(order)
+    depths = range(1, k + 1) if varies else None  # a varying depth drafts any n <= K; a fixed one only K
+    assert graphs.capture_all(depths) == len(order)
     buckets = graph_buckets(MAX_SEQS)
     want = {("target", (b, b * q)) for b in buckets for q in range(1, k + 2)}
     want |= {("drafter", (b, b * q)) for b in buckets for q in draft_lens or []}
-    if mode != "none":  # every decode step drafts inside one graph, behind the target's (K drafts up front)
-        want |= {("drafter step", (b, b * q, k)) for b in buckets for q in range(1, k + 2)}
+    if mode != "none":  # every decode step drafts inside one graph, behind the target's
+        want |= {("drafter step", (b, b * q, n)) for b in buckets for q in range(1, k + 2)
+                 for n in (depths or [k])}
     if budget:  # mixed steps: max_num_seqs + 1 requests, tokens up to the budget (+ P-EAGLE's MASK slots)
         want |= {("target", (MAX_SEQS + 1, t)) for t in token_buckets(budget)}
         if mode != "none":
@@ -141,7 +145,20 @@ def test_capture_all_covers_every_step_shape_largest_first(tiny_pair, monkeypatc
     assert steps == list(range(len(forwards), len(order)))  # after every forward: they read the target's outputs
     if not budget:  # the largest: max_num_seqs x (K+1) or 2K
         assert order[0][1] == (MAX_SEQS, MAX_SEQS * (k + 1))
-    assert graphs.capture_all() == len(order) and len(order) == len(want)  # nothing captured twice
+    assert graphs.capture_all(depths) == len(order) and len(order) == len(want)  # nothing captured twice
+
+
+@pytest.mark.parametrize("policy,varies", [("fixed", False), ("adaptive", True), ("batch_table", True)])
+def test_the_engine_captures_every_draft_depth_a_varying_policy_may_ask_for(tiny_pair, monkeypatch, policy, varies):
+    """Lazily captured, each new drafter-step shape stalled a step by a capture (and its time taught the
+    adaptive policy wrong step costs): every policy but a fixed depth gets all n in 1..K up front."""
+    asked = []
+    monkeypatch.setattr("peagle_core.engine.llm_engine.make_graph_runner",
+                        lambda *a, **kw: asked.append(a[5] if len(a) > 5 else kw.get("draft_depths")))
+    extra = {"num_speculative_tokens_per_batch_size": [[1, 4096, 2]]} if policy == "batch_table" else {}
+    cfg = spec(tiny_pair, "peagle", 3) | {"depth_policy": policy, **extra}
+    LLM(tiny_pair["target"], speculative_config=cfg, max_num_seqs=MAX_SEQS, max_model_len=128, device="cpu")
+    assert asked == [range(1, 4) if varies else None]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ pre-hook on rank 0, which a replayed graph would skip.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -209,10 +209,11 @@ class DraftSteps:
     slots, the LM head, argmax, the id map): at bs 1 the host issuing them, not the GPU, set its time.
     After the target's decode graph `key` replays, its static inputs and aux output hold the step (padded
     with dummies), so this graph reads them in place and only the next tokens and rejected counts are
-    copied in. Graphs are keyed by the target's key and the number of drafts n: n = K for every key is
-    captured up front (fixed depth never needs another); an adaptive depth's other n are captured at their
-    first use by `ensure`, which runs before the target's inputs are loaded because a capture pads the
-    target's buffers with dummies. Dummy requests (seq_len 0) write no K/V and read none (`ModelRunner.draft`).
+    copied in. Graphs are keyed by the target's key and the number of drafts n. `GraphRunner.capture_all`
+    captures the n a depth policy may ask for up front (K for fixed depth; 1..K when the depth varies, as a
+    step verifying k may draft any n for the next); any other n is captured at its first use by `ensure`,
+    which runs before the target's inputs are loaded because a capture pads the target's buffers with
+    dummies. Dummy requests (seq_len 0) write no K/V and read none (`ModelRunner.draft`).
     """
 
     def __init__(self, target: GraphSet, step: DraftStep, max_drafts: int, device: torch.device, capture: bool,
@@ -307,8 +308,12 @@ class GraphRunner:
         return [s for s in (self.target, self.drafter) if s is not None]
 
     @torch.inference_mode()
-    def capture_all(self) -> int:
-        """Capture every shape a step can take, largest first; returns how many graphs exist."""
+    def capture_all(self, draft_depths: Iterable[int] | None = None) -> int:
+        """Capture every shape a step can take, largest first; returns how many graphs exist. `draft_depths`:
+        the numbers of drafts a drafter step may produce (default K, a fixed depth). A policy that varies the
+        depth passes 1..K: captured lazily instead, each new (batch, tokens, drafts) shape stalled the step
+        that met it by a capture, and on the H200 sweep those stalls, timed as steps, taught the adaptive
+        policy that shallow steps cost more than deep ones."""
         if not self.capture:
             return 0
         todo = [(self.target, (b, b * q)) for b in self.buckets for q in range(1, self.K + 2)]
@@ -316,7 +321,9 @@ class GraphRunner:
             todo += [(self.drafter, (b, b * q)) for b in self.buckets for q in self.draft_lens]
         todo += [(s, (s.mixed_seqs, t)) for s in self.sets() for t in s.mixed_buckets]
         # the drafter steps last: each reads a target graph's output buffer, made by the target's first capture
-        steps = [(self.draft_steps, (*key, self.K)) for key in self.draft_steps.keys] if self.draft_steps else []
+        depths = sorted(set(draft_depths or [self.K]), reverse=True)
+        steps = [(self.draft_steps, (*key, n)) for key in self.draft_steps.keys for n in depths] \
+            if self.draft_steps else []
         for graphs, key in sorted(todo, key=lambda t: t[1][1], reverse=True) + sorted(steps, key=lambda t: -t[1][1]):
             if key not in graphs.graphs:
                 graphs.capture_one(key)
@@ -335,11 +342,13 @@ class GraphRunner:
 
 
 def make_graph_runner(runner: ModelRunner, max_num_seqs: int, enforce_eager: bool,
-                      tensor_parallel_size: int = 1, max_num_batched_tokens: int | None = None) -> GraphRunner | None:
-    """Captured graphs where they work (CUDA, Triton kernels, one rank), else None (eager)."""
+                      tensor_parallel_size: int = 1, max_num_batched_tokens: int | None = None,
+                      draft_depths: Iterable[int] | None = None) -> GraphRunner | None:
+    """Captured graphs where they work (CUDA, Triton kernels, one rank), else None (eager). `draft_depths`:
+    see `GraphRunner.capture_all`."""
     dev = runner.device
     if enforce_eager or tensor_parallel_size > 1 or dev.type != "cuda" or not use_triton(torch.empty(0, device=dev)):
         return None
     graphs = GraphRunner(runner, max_num_seqs, capture=True, max_num_batched_tokens=max_num_batched_tokens)
-    graphs.capture_all()
+    graphs.capture_all(draft_depths)
     return graphs

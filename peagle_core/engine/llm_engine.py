@@ -102,8 +102,11 @@ class LLMEngine:
                                   self.max_model_len, self.device, self.dtype, tcfg.vocab_size)
         budget = cfg.max_num_batched_tokens or max(512, min(8192, self.max_model_len))
         # CUDA graphs for every step up to the token budget (None: eager; always on CPU, without Triton or at TP > 1)
+        # A depth that varies (every policy but fixed) may draft any n <= K: capture those drafter steps too
+        varies = self.mode != "none" and (cfg.speculative_config.policy != "fixed" if policy is None
+                                          else not isinstance(policy, FixedDepth))
         self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, self.tp.world_size,
-                                               budget)
+                                               budget, range(1, self.K + 1) if varies else None)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
         self.policy = policy or self._default_policy()
@@ -209,6 +212,8 @@ class LLMEngine:
         batch = self.scheduler.schedule(k)
         if not batch:
             return []
+        graphs = self.runner.graphs
+        num_graphs = graphs.num_graphs if graphs is not None else 0
         t0 = time.perf_counter()
         try:
             result = self.runner.execute(batch, draft_len=k)  # EAGLE-3 drafts what the next step will verify
@@ -241,7 +246,9 @@ class LLMEngine:
             if stopped and not req.finished:
                 self.scheduler.finish(req, "stop")
             updates.append(Update(req, new, text))
-        self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch)))
+        # a step that captured a graph (a shape first met) timed the capture, not the step
+        timed = graphs is None or graphs.num_graphs == num_graphs
+        self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch), timed))
         for u in updates:
             if u.req.finished:
                 self.requests.pop(u.req.request_id, None)

@@ -413,8 +413,8 @@ class AdaptiveDepth(DepthPolicy):
         if not info.num_verify:
             return  # a prefill-only step: nothing could be judged (no sign a position went unjudged) or timed
         self.acceptance.observe(outcome.accepted)
-        # k = 0 steps too: they are how the model learns what not speculating costs
-        self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
+        if outcome.timed:  # k = 0 steps too: they are how the model learns what not speculating costs
+            self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
         # a request that verified nothing (k = 0) emits exactly one token
         self.last["realized_tokens_per_step"] = (sum(a + 1 for _, a in outcome.accepted)
                                                  + max(0, info.num_verify - len(outcome.accepted)))

@@ -22,6 +22,7 @@ class StepOutcome:
     accepted: list[tuple[int, int]]  # (drafts verified, drafts accepted) per verifying request
     step_time: float                 # seconds, device work included
     num_tokens: int                  # target tokens in the step
+    timed: bool = True               # False: the step also captured a CUDA graph, so step_time is not its cost
 
 
 @dataclass
@@ -63,7 +64,7 @@ class DepthTally:
         realized = sum(per_request)
         self.realized_tokens += realized
         self.step_seconds += outcome.step_time
-        if predicted_tokens is not None and predicted_step_s is not None:
+        if predicted_tokens is not None and predicted_step_s is not None and outcome.timed:
             self.predicted_steps += 1
             self.predicted_tokens += predicted_tokens
             self.predicted_step_seconds += predicted_step_s
