@@ -73,9 +73,14 @@ case "${1:-}" in
   adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape;
              # at least MIN_REQUESTS requests per level, ROUNDS interleaved rounds (cells: the median; the spread
              # between engines built alike was 20% on the H200, 47% for the tiny pair, in single-round sweeps);
-             # SWEEP_ARGS: more sweep flags (later ones win), e.g. "--warm-policy --warmup-steps 32 --prewarm-policy="
+             # SWEEP_ARGS: more sweep flags (later ones win), e.g. "--warm-policy --warmup-steps 32 --prewarm-policy=".
+             # A sweep too long for one call: CONCURRENCY=1,2,4,8 first, then carry the first call's cells/ (from
+             # its sweep20b.tgz) and give SWEEP_CELLS=that dir: the second call keeps them (--resume) and runs the rest
+    if [ -n "${SWEEP_CELLS:-}" ]; then
+      mkdir -p /tmp/sweep20b/cells && cp "$SWEEP_CELLS"/*.json /tmp/sweep20b/cells/ && SWEEP_ARGS="${SWEEP_ARGS:-} --resume"
+    fi
     timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
-      --replay benchmarks/traces/tiny_peagle_k7.json --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" \
+      --replay benchmarks/traces/tiny_peagle_k7.json --concurrency "${CONCURRENCY:-1,2,4,8,16,32,64}" --waves "${WAVES:-2}" \
       --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive \
       --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
       ${SWEEP_ARGS:-} --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
