@@ -146,6 +146,22 @@ def test_tp2_greedy_equals_tp1(ckpt, reference, tp2, mode):
         assert want[0].num_drafts > 0
 
 
+def test_tp4_greedy_equals_tp1(tmp_path):
+    """Four ranks, as the 4- and 8-GPU machines run the 120B model: every all-reduce and shard has more than one
+    peer, and the packed experts' channels split four ways (32 a rank)."""
+    cfg = tiny_target_config(num_attention_heads=8, num_key_value_heads=4, intermediate_size=128)
+    build_target(tmp_path / "target", cfg, seed=1, mxfp4=True, scale=4.0)
+    build_drafter(tmp_path / "peagle", cfg, parallel=True)
+    target = str(tmp_path / "target")
+    want = [o.outputs[0].token_ids for o in LLM(target, device="cpu").generate(PROMPTS, GREEDY)]
+    llm = LLM(target, device="cpu", tensor_parallel_size=4, **TIGHT, speculative_config={
+        "method": "eagle3", "model": str(tmp_path / "peagle"), "num_speculative_tokens": 3, "parallel_drafting": True})
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["peagle", "eagle3"])
 def test_tp2_partial_acceptance_joins_and_preemption(reference, tp2, mode):
     llm = tp2(mode)
