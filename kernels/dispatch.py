@@ -33,8 +33,8 @@ Rules every kernel with `USE_PDL` follows (and any new one must):
    1095 us a step instead of 537; our reading: waiting programs held registers and shared memory the running
    grid could use). Triggered last, PDL cost nothing and bought nothing (3.335 vs 3.351 ms, a later run):
    with every kernel waiting at its top, all it can hide is the launch itself. Where the trigger sits changes
-   only scheduling, never what a kernel reads (rule 1): the bit-exact PDL GPU tests passed with the first
-   placement; this one has run on a GPU only in that profile (engine steps, no check of the tokens).
+   only scheduling, never what a kernel reads (rule 1): the bit-exact PDL GPU tests passed with both
+   placements (this one at 282ce0d: the graph tests' PDL-on step equal to PDL-off, the attention kernel's).
 3. Weights are never written by an earlier kernel, so a kernel could prefetch weight tiles before its wait.
    None does: which expert tiles the MoE kernels read comes from the routing kernel before them, and the
    other large reads (K/V, activations) are written by the kernel before, so little is left to prefetch.

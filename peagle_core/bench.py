@@ -663,9 +663,10 @@ class Bench:
     def __init__(self, args: argparse.Namespace, r: dict[str, Any], out: Path):
         self.args, self.r, self.out = args, r, out
         self.device, self.dtype = r["device"], r["dtype"]
+        probe = torch.empty(0, device=self.device)
+        triton_on = use_triton(probe)
         # CUDA graphs need CUDA and the (sync-free) Triton kernels; --eager turns them off
-        self.graphs = (not args.eager and self.device.type == "cuda"
-                       and use_triton(torch.empty(0, device=self.device)))
+        self.graphs = not args.eager and self.device.type == "cuda" and triton_on
         primary = args.shape != "120b"
         big = args.shape == "120b" or not args.skip_120b
         sections = (1 + (3 if primary else 0) + (0 if args.skip_draft or not primary else 1)
@@ -678,10 +679,9 @@ class Bench:
                          "context": r["context"], "batch_sizes": r["batch_sizes"], "max_k": r["max_k"],
                          "warmup": r["warmup"], "iters": r["iters"], "hf_tokens": r["hf_tokens"], "seed": args.seed,
                          "block_size": BLOCK_SIZE,
-                         "triton_kernels": use_triton(torch.empty(0, device=self.device)),
+                         "triton_kernels": triton_on,
                          # programmatic dependent launch of the Triton kernels (PEAGLE_PDL=1, kernels/dispatch.py)
-                         "pdl": use_triton(torch.empty(0, device=self.device))
-                         and use_pdl(torch.empty(0, device=self.device)),
+                         "pdl": triton_on and use_pdl(probe),
                          "cuda_graphs": self.graphs,
                          "timing": "CUDA events around each call, median" if self.device.type == "cuda"
                          else "perf_counter around each call, median"},

@@ -408,16 +408,14 @@ class AdaptiveDepth(DepthPolicy):
         return draw < (e.near if alternative >= (1.0 - e.margin) * best else e.far)
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
-        self.record(info, outcome, self.last.get("predicted_tokens_per_step"), self.last.get("predicted_step_s"),
-                    explored=bool(self.last.get("explored")))
+        realized = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
+                               self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
         if not info.num_verify:
             return  # a prefill-only step: nothing could be judged (no sign a position went unjudged) or timed
         self.acceptance.observe(outcome.accepted)
         if outcome.timed:  # k = 0 steps too: they are how the model learns what not speculating costs
             self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
-        # a request that verified nothing (k = 0) emits exactly one token
-        self.last["realized_tokens_per_step"] = (sum(a + 1 for _, a in outcome.accepted)
-                                                 + max(0, info.num_verify - len(outcome.accepted)))
+        self.last["realized_tokens_per_step"] = realized
         self.last["measured_step_s"] = outcome.step_time
 
     def describe(self) -> dict[str, float]:

@@ -48,9 +48,10 @@ class DepthTally:
     explored_steps: int = 0           # steps that ran another k than the policy's best guess, to measure it
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
-               predicted_step_s: float | None = None, explored: bool = False) -> None:
+               predicted_step_s: float | None = None, explored: bool = False) -> int:
+        """Count one step; returns the tokens its verifying requests emitted (0 for a prefill-only step)."""
         if info.num_verify == 0:
-            return  # prefill only: k just sets how far EAGLE-3 drafts
+            return 0  # prefill only: k just sets how far EAGLE-3 drafts
         k = outcome.k
         self.steps += 1
         self.depth_sum += k
@@ -70,6 +71,7 @@ class DepthTally:
             self.predicted_step_seconds += predicted_step_s
             self.measured_step_seconds += outcome.step_time
             self.predicted_realized_tokens += realized
+        return realized
 
     def as_dict(self) -> dict[str, float]:
         d = {name: float(getattr(self, name)) for name in (
@@ -112,8 +114,9 @@ class DepthPolicy:
         return t
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
-               predicted_step_s: float | None = None, explored: bool = False) -> None:
-        self.tally.record(info, outcome, predicted_tokens, predicted_step_s, explored)
+               predicted_step_s: float | None = None, explored: bool = False) -> int:
+        """`DepthTally.record`: returns the tokens the step's verifying requests emitted."""
+        return self.tally.record(info, outcome, predicted_tokens, predicted_step_s, explored)
 
 
 class FixedDepth(DepthPolicy):
