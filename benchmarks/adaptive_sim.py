@@ -245,15 +245,19 @@ class _Request:
     left: int          # still to emit
     prefill: int       # prompt tokens still to prefill
     first: float = 0.0  # time of its first token
+    held: int = 0       # drafts it holds: what the step that sampled its last token drafted
 
 
 def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: int, K: int, waves: int,
              max_tokens: int, seed: int, jitter: float = 0.0, min_requests: int = 0, joins: Joins = Joins(),
-             first_slot: int = 0) -> dict[str, Any]:
+             first_slot: int = 0, old_accounting: bool = False) -> dict[str, Any]:
     """One closed-loop level; the same throughput window and TPOT as the engine sweep. `jitter`: each step's
     time is the table's times a uniform factor in 1 +- jitter (seeded: every policy sees the same draws).
     `first_slot`: the acceptance trace the level's first request replays (the sweep's replay hands traces out
-    round-robin over the engine's life, so its level C starts where the earlier levels and warm-ups stopped)."""
+    round-robin over the engine's life, so its level C starts where the earlier levels and warm-ups stopped).
+    As in the engine, the choice is the depth a step drafts for the next one, and a step verifies at most the
+    drafts its requests hold (one k for all). `old_accounting`: the engine before it told the policy (the policy
+    predicted, and its grid learnt, the depth it asked for, whatever was verified), for before/after figures."""
     n = max(C * waves, min_requests)
     noise = random.Random(seed + 7 * C)
     lengths = request_lengths(n, max_tokens, seed)
@@ -267,7 +271,9 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
     k_steps: dict[int, int] = {}
     while admitted < n or active:
         while admitted < n and len(active) < C:
-            r = _Request(f"r{admitted}", lengths[admitted], lengths[admitted] - 1, joins.prompt_len, clock)
+            # without prefill steps (prompt_len 0) a request decodes at once, as if its prompt step drafted K
+            r = _Request(f"r{admitted}", lengths[admitted], lengths[admitted] - 1, joins.prompt_len, clock,
+                         held=0 if joins.prompt_len else K)
             active.append(r)
             admitted += 1
             if not joins.prompt_len:
@@ -276,8 +282,11 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
                 window_end = clock
         decoding = [r for r in active if not r.prefill]
         B = len(decoding)
-        info = StepInfo(num_verify=B, num_prefill_tokens=0, max_k=K)  # the engine passes no prompt tokens
-        k = policy.choose(info) if K else 0
+        held = min((r.held for r in decoding), default=K)
+        info = StepInfo(num_verify=B, num_prefill_tokens=0, max_k=K,  # the engine passes no prompt tokens
+                        drafts=None if old_accounting else held)
+        want = policy.choose(info) if K else 0
+        k = min(want, held)
         drafts = [_drafts(r, k, joins) for r in decoding]
         budget = joins.budget - sum(1 + d for d in drafts)  # decoders first (64 x 8 tokens just fill 512)
         prompt_tokens, first_tokens = _prefill(active, budget, joins)
@@ -298,6 +307,8 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         clock += dt
         for r in first_tokens:
             r.first = clock
+        for r in decoding + first_tokens:  # every request that sampled drafts for the next step
+            r.held = max(want, 1)  # the drafter drafts at least one
         steps += 1
         if B:
             depth_sum += k
@@ -305,7 +316,8 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         tokens_total += emitted
         if window_start is not None and window_end is None:
             tokens_in_window += emitted
-        policy.observe(info, StepOutcome(k, accepted, dt, sum(1 + d for d in drafts) + prompt_tokens))
+        policy.observe(info, StepOutcome(want if old_accounting else k, accepted, dt,
+                                         sum(1 + d for d in drafts) + prompt_tokens))
         for r in finished:
             active.remove(r)
             if r.n > 1:
@@ -399,7 +411,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 for seed in range(a.seed, a.seed + a.seeds):
                     pol = make_policy(name, K, table, bt, a.start_up_depth_scale, seed, recorded)
                     r = simulate(pol, name, table, trace, C, kk, a.waves, a.max_tokens, seed, a.step_jitter,
-                                 a.min_requests, joins, first_slots.get(C, 0))
+                                 a.min_requests, joins, first_slots.get(C, 0), a.old_draft_accounting)
                     if isinstance(pol, AdaptiveDepth) and pol.decisions:
                         r["explored_share"] = pol.explored / pol.decisions
                     runs.append(r)
@@ -498,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-s-per-token", type=float, default=0.0, help="added step time per prompt token")
     ap.add_argument("--sweep-trace-order", action="store_true",
                     help="hand acceptance traces out in the sweep's order (warm-up waves and earlier levels first)")
+    ap.add_argument("--old-draft-accounting", action="store_true",
+                    help="the engine before a step's choice and verified depth were told apart (before/after)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--stem", default="adaptive_sim")
     a = ap.parse_args(argv)

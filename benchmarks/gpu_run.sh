@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz)
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
+#   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
+#   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
 #   bash benchmarks/gpu_run.sh train-speed     # one H200: head-training step times, eager and compiled (carry it too)
@@ -24,6 +26,13 @@ fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
+sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive` (settings from the environment)
+  timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
+    --replay benchmarks/traces/tiny_peagle_k7.json --concurrency "$2" --waves "${WAVES:-2}" \
+    --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive \
+    --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
+    ${SWEEP_ARGS:-} --out "$1"
+}
 GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
            tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py"
 
@@ -79,12 +88,27 @@ case "${1:-}" in
     if [ -n "${SWEEP_CELLS:-}" ]; then
       mkdir -p /tmp/sweep20b/cells && cp "$SWEEP_CELLS"/*.json /tmp/sweep20b/cells/ && SWEEP_ARGS="${SWEEP_ARGS:-} --resume"
     fi
-    timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
-      --replay benchmarks/traces/tiny_peagle_k7.json --concurrency "${CONCURRENCY:-1,2,4,8,16,32,64}" --waves "${WAVES:-2}" \
-      --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive \
-      --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
-      ${SWEEP_ARGS:-} --out /tmp/sweep20b 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
+    sweep20b /tmp/sweep20b "${CONCURRENCY:-1,2,4,8,16,32,64}" 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
+    ;;
+  adaptive-x2)  # two H200s: the `adaptive` sweep with its levels split over the GPUs, run side by side (CONC0 on
+                # GPU 0, CONC1 on GPU 1: each level's cells, adaptive and fixed alike, on one GPU), then one report
+    for i in 0 1; do
+      conc=$([ "$i" = 0 ] && echo "${CONC0:-1,2,4,8}" || echo "${CONC1:-16,32,64}")
+      CUDA_VISIBLE_DEVICES=$i sweep20b "/tmp/sweep20b_$i" "$conc" > "$OUT/sweep20b_$i.log" 2>&1 &
+    done
+    wait
+    python3 benchmarks/adaptive_sweep.py merge /tmp/sweep20b_0 /tmp/sweep20b_1 --out /tmp/sweep20b
+    grep -h "time budget\|Error\|error" "$OUT"/sweep20b_?.log | tail -n 6
+    tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b sweep20b_0 sweep20b_1
+    ;;
+  tp-graphs)  # two H200s: TP=2 with CUDA graphs (the tiny pair's GPU tests; TP_TESTS_K selects some), then unless
+              # TP_BENCH=0 TP=1 vs TP=2, graphs and eager, at the 20B shape
+    timeout "${TP_TESTS_TIMEOUT:-200}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=5 tests/test_tp.py \
+      ${TP_TESTS_K:+-k "$TP_TESTS_K"} 2>&1 | tail -n 40 > "$OUT/tp_tests.log"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tp_tests.log" | tail -n 8
+    [ "${TP_BENCH:-1}" = 0 ] || timeout "${TP_TIMEOUT:-370}" python3 -m peagle_core.parallel_bench --shape 20b --tp 2 \
+      --device cuda --batch-sizes 1,8,32 --context 1024 --out "$OUT/tp" 2>&1 | tail -n 16
     ;;
   adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance)
     timeout "${SWEEP_TIMEOUT:-560}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
@@ -146,5 +170,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|pair-heads|adaptive|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|pair-heads|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

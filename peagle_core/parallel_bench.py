@@ -103,11 +103,12 @@ def compare(path: Path, args, device: torch.device) -> dict:
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
               "mxfp4_checkpoint": args.mxfp4, "tp": args.tp, "context": args.context, "scale": args.scale, "runs": {}}
     outputs = {}
-    # TP > 1 runs eagerly (no CUDA graphs yet), so TP = 1 is timed both ways: eager is the like-for-like scaling
-    runs = [(1, False), (1, True), (args.tp, True)] if device.type == "cuda" else [(1, True), (args.tp, True)]
+    # On GPUs every TP size is timed with CUDA graphs and eagerly (how much of an eager step is the host's)
+    runs = [(tp, eager) for tp in (1, args.tp) for eager in (True, False)] if device.type == "cuda" \
+        else [(1, True), (args.tp, True)]
     for tp, eager in runs:
         llm = engine(path, tp, args, max(args.batch_sizes), eager)
-        name = f"tp{tp}" + ("_eager" if eager and device.type == "cuda" and tp == 1 else "")
+        name = f"tp{tp}" + ("_eager" if eager and device.type == "cuda" else "")
         t = llm.engine.target
         run_ = {"weights_gb_per_rank": sum(p.numel() * p.element_size() for p in t.parameters()) / 1e9,
                 "kv_cache_gb_per_rank": llm.engine.runner.target_cache.numel() * t.lm_head.weight.element_size() / 1e9}

@@ -7,7 +7,7 @@ from peagle_core import LLM, SamplingParams
 from peagle_core.config import parse_engine_config
 from peagle_core.spec.adaptive import AdaptiveDepth
 from peagle_core.spec.baselines import BatchSizeTable, EmaTiers
-from peagle_core.spec.depth import FixedDepth, StepInfo, StepOutcome
+from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome
 
 TABLE = [[1, 4, 7], [5, 16, 3], [17, 64, 1], [65, 512, 0]]
 
@@ -484,3 +484,60 @@ def test_exploration_is_bounded_reported_and_deterministic():
     assert len({k for k, f in zip(ks, flags) if f}) >= 3
     assert sum(run(Exploration.off())[2]) == 0
     assert AdaptiveDepth(7, StepTimeModel({16: 1.0, 128: 2.0})).explore == Exploration.off()
+
+
+class Scripted(DepthPolicy):
+    """Asks for the depths of `script` in turn and records what each step could and did verify."""
+
+    def __init__(self, script: list[int]):
+        self.script, self.held, self.outcomes = list(script), [], []
+
+    def choose(self, info: StepInfo) -> int:
+        self.held.append(info.drafts if info.num_verify else None)
+        return self.script.pop(0) if self.script else 1
+
+    def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
+        self.record(info, outcome)
+        if info.num_verify:
+            self.outcomes.append(outcome)
+
+
+def test_a_step_verifies_what_the_last_one_drafted_and_drafts_what_the_policy_asks(tiny_pair):
+    """The choice is the depth drafted for the next step; a step verifies at most the drafts its requests hold
+    (the last step's choice), and reports that depth. (Before, a step asking for more than was drafted verified
+    less, while the adaptive policy predicted, and its grid learnt, the depth asked for.)"""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = LLM(tiny_pair["target"], device="cpu").generate(PROMPTS[:1], sp)[0].outputs[0].token_ids
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config={
+        "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True})
+    policy = llm.engine.policy = Scripted([1, 3, 3, 2, 3])  # the prefill step asks for 1
+    req = llm.engine.add_request("r", PROMPTS[0], sp)
+    while llm.engine.has_work():
+        llm.engine.step()
+    assert req.output_ids == ref
+    assert policy.held[1:5] == [1, 3, 3, 2]
+    verified = [o.k for o in policy.outcomes[:4]]
+    assert verified == [1, 3, 2, 2]  # asked 3 holding 1, 3 holding 3, 2 holding 3, 3 holding 2
+    assert all(d == k for o, k in zip(policy.outcomes[:4], verified) for d, _ in o.accepted)
+
+
+def test_adaptive_predicts_the_depth_it_can_verify_and_measures_a_deeper_alternative_a_step_later():
+    """Holding fewer drafts than it wants, the policy still asks for its favourite (that is what gets drafted),
+    but predicts and reports the step at the depth it can verify; an exploratory alternative deeper than the
+    drafts held is drafted first and verified, counted once, in the next step."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid
+
+    deep = AdaptiveDepth(7, StepGrid({16: [1.0] * 8}), prior=0.9, explore=Exploration.off())  # depth is free
+    assert deep.choose(StepInfo(16, 0, 7, drafts=1)) == 7
+    d = deep.describe()
+    assert d["k"] == 1 and d["asked"] == 7
+    assert d["predicted_tokens_per_step"] == pytest.approx(16 * deep.acceptance.expected_tokens(1))
+
+    flat = {16: [2.5 * (1 + k) for k in range(8)]}  # every k equally good: ties go to the shallowest
+    always = Exploration(near=1.0, far=1.0, cap=1.0, fresh=float("inf"))
+    p = AdaptiveDepth(7, StepGrid(flat), k_min=1, prior=1.0, explore=always)
+    assert p.choose(StepInfo(16, 0, 7, drafts=1)) == 2  # the runner-up, deeper than the one draft held
+    assert p.describe()["explored"] == 0.0 and p.describe()["k"] == 1 and p.pending == 2
+    assert p.choose(StepInfo(16, 0, 7, drafts=2)) == 2  # drafted last step: measured now
+    assert p.describe()["explored"] == 1.0 and p.describe()["k"] == 2 and p.pending is None
+    assert p.explored == 1

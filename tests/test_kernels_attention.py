@@ -68,6 +68,7 @@ def make_batch(requests: list[tuple[int, int]], hq: int, hkv: int, d: int, page:
 # request with padding slots at position 0.
 MIXED = [(9, 9), (30, 150), (0, 20), (5, 77), (1, 130), (6, 40)]
 DECODE = [(1, 5), (1, 140), (1, 33), (1, 1)]
+LONG_DECODE = [(1, 3000), (1, 700), (2, 50)]  # H200, GPT-OSS heads: the split-KV path
 
 CASES = [  # (requests, Hq, Hkv, D, page, window, sinks, splits)
     pytest.param(MIXED, 8, 2, 16, 16, None, True, None, id="mixed-g4-full-sinks"),
@@ -77,6 +78,9 @@ CASES = [  # (requests, Hq, Hkv, D, page, window, sinks, splits)
     pytest.param(DECODE, 8, 1, 64, 32, 8, True, None, id="decode-g8-window8"),
     pytest.param(DECODE, 4, 2, 32, 16, None, True, 4, id="decode-g2-split4-sinks"),
     pytest.param(DECODE, 5, 5, 16, 32, 8, True, 2, id="decode-g1-window8-split2"),
+    # one KV tile in the window: 7 of 8 splits have no keys (their empty partials merge to nothing)
+    pytest.param(DECODE, 8, 2, 16, 16, 8, False, 8, id="decode-g4-window8-split8-nosinks"),
+    pytest.param(MIXED, 8, 2, 16, 16, 8, True, 5, id="mixed-g4-window8-split5-sinks"),
 ]
 
 
@@ -95,6 +99,20 @@ def test_paged_attention_matches_reference(triton_interpret, requests, hq, hkv, 
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, **TOL)
     assert out[-1].abs().max() == 0  # the token outside every request
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_attention_writes_every_output_token(triton_interpret, monkeypatch, splits):
+    """The output is not zeroed first: the tiles write their tokens and zero the padding tokens, here more than a
+    tile holds (20, BLOCK_Q = 8), after an empty request. A NaN-filled output buffer shows any token left out."""
+    b = make_batch([(2, 40), (0, 9), (1, 17), (1, 3)], 4, 2, 16, 16, pad_tokens=20)
+    sinks = torch.randn(4)
+    ref = paged_attention_ref(*b.args(sinks, None, 0.25))
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
+    out = triton_interpret.attention.paged_attention_triton(*b.args(sinks, None, 0.25), num_kv_splits=splits)
+    torch.testing.assert_close(out, ref, **TOL)
+    assert out[4:].abs().max() == 0
 
 
 def test_window_and_sinks_change_the_result(triton_interpret):
@@ -238,10 +256,11 @@ def test_rope_write_kv_bf16_cuda(triton_cuda):
 
 
 @pytest.mark.gpu
-def test_paged_attention_cuda_graph_capture(triton_cuda, pdl):
+@pytest.mark.parametrize("requests", [MIXED, LONG_DECODE], ids=["one-pass", "split-kv"])
+def test_paged_attention_cuda_graph_capture(triton_cuda, pdl, requests):
     """No host sync: the fused rope + KV write and attention capture into a CUDA graph and replay exactly (also
     with programmatic dependent launch: rope, attention and the split merge then overlap back to back)."""
-    b = make_batch(MIXED, 64, 8, 64, 16, device="cuda", dtype=torch.bfloat16)
+    b = make_batch(requests, 64, 8, 64, 16, pad_tokens=2, device="cuda", dtype=torch.bfloat16)
     k_new = torch.randn(b.q.shape[0], 8, 64, device="cuda", dtype=torch.bfloat16)
     cos, sin = (torch.randn(b.q.shape[0], 1, 32, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     slots = torch.full((b.q.shape[0],), -1, device="cuda")
@@ -263,7 +282,7 @@ def test_paged_attention_cuda_graph_capture(triton_cuda, pdl):
     b.q.normal_()
     graph.replay()
     torch.testing.assert_close(out, step(), atol=0, rtol=0)
-    assert not torch.equal(out, eager)
+    assert not torch.equal(out, eager) and out[-2:].abs().max() == 0  # the padding tokens
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from peagle_core import LLM, SamplingParams
 from peagle_core.engine import tp
+from peagle_core.engine.graphs import GraphRunner
 from peagle_core.engine.model_runner import StepResult
 from peagle_core.engine.tp import TPError, target_shard
 from peagle_core.loading.checkpoint import load_target
@@ -162,6 +163,30 @@ def test_tp4_greedy_equals_tp1(tmp_path):
         llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["none", "peagle", "eagle3"])
+def test_tp2_graph_steps_replay_on_every_rank(reference, tp2, mode):
+    """The graph path at TP=2, uncaptured (CPU): rank 0's target GraphSet announces each step with its graph key
+    and the workers pad it into their own static buffers (built from rank 0's layout at start-up). A worker that
+    ran the unpadded forward instead would meet rank 0's all-reduces with other sizes and fail."""
+    llm = tp2(mode)
+    eng = llm.engine
+    graphs = eng.runner.graphs = GraphRunner(eng.runner, TIGHT["max_num_seqs"], capture=False,
+                                             max_num_batched_tokens=TIGHT["max_num_batched_tokens"],
+                                             mirror=eng.tp.mirror)
+    kinds, send = [], eng.tp.comm.send_header
+    eng.tp.comm.send_header = lambda *h: (kinds.append(h[0]), send(*h))[1]
+    try:
+        outs = run_staggered(llm, GREEDY)  # joins mid-flight: mixed-bucket steps as well as decode buckets
+    finally:
+        eng.runner.graphs = None
+        del eng.tp.comm.send_header
+    assert outs == [reference[tuple(p)] for p in PROMPTS]
+    assert graphs.target.num_replays > 0 and graphs.target.num_padded > 0
+    # every step fits a bucket here (16-token budget): each announced once, as a replay, never as an eager step
+    assert kinds == [tp.REPLAY] * graphs.target.num_replays
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids == reference[tuple(PROMPTS[0])]  # eager again
+
+
 @pytest.mark.parametrize("mode", ["peagle", "eagle3"])
 def test_tp2_partial_acceptance_joins_and_preemption(reference, tp2, mode):
     llm = tp2(mode)
@@ -292,3 +317,34 @@ def test_parallel_bench_compares_tp1_and_tp2(tmp_path):
     assert [d["batch"] for d in r["runs"]["tp2"]["decode"]] == [1, 2]
     assert r["runs"]["tp2"]["weights_gb_per_rank"] < r["runs"]["tp1"]["weights_gb_per_rank"]
     assert "| 2 |" in (tmp_path / "summary.md").read_text()
+
+
+# --------------------------------------------------------------------------------------------
+# GPUs (skipped here)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("mode,k", [("none", 0), ("peagle", 7)])
+def test_tp2_cuda_graphs_give_tp1_greedy_tokens(mode, k):
+    """The shipped pair in fp32 on two GPUs: TP=2 with the target's CUDA graphs captured and replayed on both
+    ranks in lockstep (NCCL all-reduces inside the graphs) gives TP=1's greedy tokens, as TP=2 eager does.
+    (A trained model: its greedy margins are real, so fp32 all-reduce rounding cannot flip a token.)"""
+    prompts = ["def fibonacci(n):", "The capital of France is", "Write a short poem about the sea."]
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    spec_cfg = None if mode == "none" else {"method": "eagle3", "model": f"tiny-{mode}", "num_speculative_tokens": k,
+                                            "parallel_drafting": True}
+    outs = {}
+    for tp_size, eager in ((1, False), (2, False), (2, True)):
+        llm = LLM("tiny", speculative_config=spec_cfg, device="cuda", dtype="float32", tensor_parallel_size=tp_size,
+                  enforce_eager=eager, max_num_seqs=4, max_model_len=256)
+        try:
+            graphs = llm.engine.runner.graphs
+            assert (graphs is None) == eager
+            outs[tp_size, eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+            if graphs is not None:
+                assert graphs.target.num_replays > 0 and len(graphs.target.graphs) > 0
+        finally:
+            llm.engine.shutdown()
+    assert outs[2, False] == outs[1, False] and outs[2, True] == outs[1, False]

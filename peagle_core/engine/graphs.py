@@ -29,13 +29,20 @@ The target's logits and sampling stay outside the graphs (the drafter step's LM 
 `capture=False` keeps everything but the capture: "replay" calls the model on the padded static
 buffers. The CPU tests use it to prove that padding and metadata give the eager runner's greedy tokens;
 `capture=True` needs CUDA and the Triton kernels (the PyTorch references call `.tolist()`).
-Tensor parallelism keeps eager mode: each target forward is announced to the workers by a forward
-pre-hook on rank 0, which a replayed graph would skip.
+
+Tensor parallelism: the target's graphs hold the layers' all-reduces, so every rank must capture and replay
+the same graph at the same time. Rank 0's target `GraphSet` has a `Mirror` (`engine/tp.py`): it tells the
+workers to capture a key right before rank 0 does, and sends them each replay's real inputs and key before
+rank 0 replays; each worker holds a target `GraphSet` of the same layout (`target_graph_set`) and does the same
+`capture_one` / `run`. Rank 0's own forwards inside a `GraphSet` are muted (its forward pre-hook would announce
+an eager step, and inside a capture it would record the announcement's broadcast into the graph). The drafter
+runs on rank 0 alone: its graphs are rank 0's business.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol
 
 import torch
 
@@ -49,6 +56,16 @@ if TYPE_CHECKING:
 # (input ids [T], hidden [T, H] or None, meta) -> outputs (a None output stays None)
 Forward = Callable[[torch.Tensor, torch.Tensor | None, ForwardMeta], tuple[torch.Tensor | None, ...]]
 Key = tuple[int, int]  # (padded number of requests, padded number of tokens)
+
+
+class Mirror(Protocol):
+    """Rank 0's link to the tensor-parallel workers' target graphs (`engine/tp.py`, `TPWorkerGroup`)."""
+
+    def capture(self, key: Key) -> None: ...  # the workers capture `key` now, alongside rank 0
+
+    def replay(self, key: Key, input_ids: torch.Tensor, meta: ForwardMeta) -> None: ...  # they run this step
+
+    def muted(self) -> ContextManager[None]: ...  # rank 0's forwards inside it are not announced as eager steps
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -74,6 +91,11 @@ def is_uniform_decode(batch: list[Scheduled]) -> bool:
     return bool(batch) and all(s.num_new == 1 and s.samples and s.num_drafts == k for s in batch)
 
 
+def graphs_supported(device: torch.device, enforce_eager: bool) -> bool:
+    """Whether an engine on `device` captures CUDA graphs: CUDA with the Triton kernels, unless told not to."""
+    return not enforce_eager and device.type == "cuda" and use_triton(torch.empty(0, device=device))
+
+
 def capture_graph(run: Callable[[], None], pool, what: str) -> torch.cuda.CUDAGraph:
     """Warm `run` up outside the pool (Triton compiles, lazy caches and workspaces fill), then capture it."""
     try:
@@ -93,10 +115,10 @@ class GraphSet:
 
     def __init__(self, name: str, forward: Forward, buckets: list[int], max_tokens_per_seq: int,
                  mixed_buckets: list[int], max_blocks: int, hidden: tuple[int, torch.dtype] | None,
-                 device: torch.device, capture: bool, pool=None):
+                 device: torch.device, capture: bool, pool=None, mirror: Mirror | None = None):
         self.name, self.forward, self.buckets, self.max_tokens_per_seq = name, forward, buckets, max_tokens_per_seq
         self.mixed_buckets, self.mixed_seqs = mixed_buckets, buckets[-1] + 1  # >= 1 dummy owns the padded tokens
-        self.capture, self.pool = capture, pool
+        self.capture, self.pool, self.mirror = capture, pool, mirror
         B = self.mixed_seqs
         T = max([buckets[-1] * max_tokens_per_seq, *mixed_buckets])
         long = dict(dtype=torch.long, device=device)
@@ -132,6 +154,8 @@ class GraphSet:
         B, T = meta.seq_lens.shape[0], input_ids.shape[0]
         if self.capture and key not in self.graphs:
             self.capture_one(key)
+        if self.mirror is not None:
+            self.mirror.replay(key, input_ids, meta)  # the workers load the same step and replay the same key
         self._load(input_ids, hidden, meta, *key)
         if self.capture:
             self.graphs[key].replay()
@@ -145,6 +169,8 @@ class GraphSet:
         """Warm up, then capture the forward of `num_seqs` dummy requests sharing `num_tokens` into the shared pool."""
         num_seqs, num_tokens = key
         self._pad(0, 0, num_seqs, num_tokens)  # all dummies: the warm-up writes no K/V and reads none
+        if self.mirror is not None:
+            self.mirror.capture(key)  # the workers' warm-ups and captures meet rank 0's in every all-reduce
         self.graphs[key] = capture_graph(lambda: self._forward(num_seqs, num_tokens), self.pool,
                                          f"the {self.name} forward ({num_seqs} requests, {num_tokens} tokens)")
 
@@ -188,7 +214,9 @@ class GraphSet:
                            block_tables=self.block_tables[:num_seqs])
 
     def _forward(self, num_seqs: int, T: int) -> None:
-        outs = self.forward(self.input_ids[:T], None if self.hidden is None else self.hidden[:T], self.meta(num_seqs, T))
+        with self.mirror.muted() if self.mirror is not None else contextlib.nullcontext():
+            outs = self.forward(self.input_ids[:T], None if self.hidden is None else self.hidden[:T],
+                                self.meta(num_seqs, T))
         if self.outputs is None:  # the first call is a warm-up or an uncaptured run, never a capture
             n = self.input_ids.shape[0]
             self.outputs = [None if o is None else torch.empty(n, *o.shape[1:], dtype=o.dtype, device=o.device)
@@ -271,9 +299,9 @@ class GraphRunner:
     """A ModelRunner's graphs: the target's verify forward, the drafter's steps and forwards, one memory pool."""
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool = True,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, mirror: Mirror | None = None):
         dev = runner.device
-        if capture and not (dev.type == "cuda" and use_triton(torch.empty(0, device=dev))):
+        if capture and not graphs_supported(dev, enforce_eager=False):
             raise ValueError("CUDA graphs need a CUDA device and the Triton kernels (the PyTorch reference "
                              "kernels sync with the host); run with enforce_eager=True or capture=False")
         # No reference to the runner itself: it owns this object, and a cycle would keep its KV cache alive.
@@ -285,9 +313,8 @@ class GraphRunner:
         # K - 1 MASK slots per request to the target's tokens.
         budget = max_num_batched_tokens
         mixed = lambda extra: token_buckets(budget + extra) if budget else []
-        target = runner.target
-        self.target = GraphSet("target", lambda ids, _, meta: target(ids, meta), self.buckets, K + 1, mixed(0),
-                               max_blocks, None, dev, capture, self.pool)
+        self.target = target_graph_set(runner.target, max_num_seqs, K, runner.max_model_len, runner.block_size,
+                                       budget, dev, capture, self.pool, mirror)
         self.drafter: GraphSet | None = None
         self.draft_steps: DraftSteps | None = None
         if runner.drafter is not None:
@@ -341,14 +368,24 @@ class GraphRunner:
             self.draft_steps.graphs.clear()
 
 
+def target_graph_set(target: Callable, max_num_seqs: int, K: int, max_model_len: int, block_size: int,
+                     budget: int | None, device: torch.device, capture: bool, pool=None,
+                     mirror: Mirror | None = None) -> GraphSet:
+    """The target's verify graphs. Tensor-parallel workers build theirs from the same numbers (rank 0 sends
+    them at start-up), so that every rank has the same keys and buffers."""
+    return GraphSet("target", lambda ids, _, meta: target(ids, meta), graph_buckets(max_num_seqs), K + 1,
+                    token_buckets(budget) if budget else [], -(-max_model_len // block_size), None, device,
+                    capture, pool, mirror)
+
+
 def make_graph_runner(runner: ModelRunner, max_num_seqs: int, enforce_eager: bool,
-                      tensor_parallel_size: int = 1, max_num_batched_tokens: int | None = None,
-                      draft_depths: Iterable[int] | None = None) -> GraphRunner | None:
-    """Captured graphs where they work (CUDA, Triton kernels, one rank), else None (eager). `draft_depths`:
-    see `GraphRunner.capture_all`."""
-    dev = runner.device
-    if enforce_eager or tensor_parallel_size > 1 or dev.type != "cuda" or not use_triton(torch.empty(0, device=dev)):
+                      max_num_batched_tokens: int | None = None, draft_depths: Iterable[int] | None = None,
+                      mirror: Mirror | None = None) -> GraphRunner | None:
+    """Captured graphs where they work (CUDA, Triton kernels), else None (eager). `draft_depths`: see
+    `GraphRunner.capture_all`; `mirror`: the tensor-parallel workers (None at TP = 1)."""
+    if not graphs_supported(runner.device, enforce_eager):
         return None
-    graphs = GraphRunner(runner, max_num_seqs, capture=True, max_num_batched_tokens=max_num_batched_tokens)
+    graphs = GraphRunner(runner, max_num_seqs, capture=True, max_num_batched_tokens=max_num_batched_tokens,
+                         mirror=mirror)
     graphs.capture_all(draft_depths)
     return graphs

@@ -9,12 +9,12 @@ import torch
 
 from peagle_core.config import EngineConfig
 from peagle_core.engine.block_manager import BlockManager
-from peagle_core.engine.graphs import make_graph_runner
+from peagle_core.engine.graphs import graphs_supported, make_graph_runner
 from peagle_core.engine.model_runner import ModelRunner
 from peagle_core.engine.output import TextState
 from peagle_core.engine.request import Request, Status
 from peagle_core.engine.scheduler import Scheduler
-from peagle_core.engine.tp import TPError, start_tensor_parallel
+from peagle_core.engine.tp import GraphLayout, TPError, start_tensor_parallel
 from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 from peagle_core.loading.checkpoint import DTYPES, load_drafter, load_target
 from peagle_core.loading.hub import resolve
@@ -94,19 +94,21 @@ class LLMEngine:
         if self.max_model_len > tcfg.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {tcfg.max_position_embeddings}")
         self.stop_ids = set(self.tokenizer.stop_token_ids if self.tokenizer else tcfg.eos_token_id)
-        num_blocks = self.tp.agree_num_blocks(self._num_blocks(), self.max_model_len)  # the smallest rank's
+        budget = cfg.max_num_batched_tokens or max(512, min(8192, self.max_model_len))
+        # CUDA graphs for every step up to the token budget (eager on CPU, without Triton or with enforce_eager);
+        # tensor-parallel workers build the target's graphs of the same layout
+        layout = GraphLayout(cfg.max_num_seqs, self.K, budget, graphs_supported(self.device, cfg.enforce_eager))
+        num_blocks = self.tp.agree_num_blocks(self._num_blocks(), self.max_model_len, layout)  # the smallest rank's
         if num_blocks * cfg.block_size < self.max_model_len:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {cfg.block_size}) cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
         self.runner = ModelRunner(self.target, self.drafter, self.mode, self.K, cfg.block_size, num_blocks,
                                   self.max_model_len, self.device, self.dtype, tcfg.vocab_size)
-        budget = cfg.max_num_batched_tokens or max(512, min(8192, self.max_model_len))
-        # CUDA graphs for every step up to the token budget (None: eager; always on CPU, without Triton or at TP > 1)
         # A depth that varies (every policy but fixed) may draft any n <= K: capture those drafter steps too
         varies = self.mode != "none" and (cfg.speculative_config.policy != "fixed" if policy is None
                                           else not isinstance(policy, FixedDepth))
-        self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, self.tp.world_size,
-                                               budget, range(1, self.K + 1) if varies else None)
+        self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, budget,
+                                               range(1, self.K + 1) if varies else None, self.tp.mirror)
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
         self.policy = policy or self._default_policy()
@@ -207,8 +209,12 @@ class LLMEngine:
 
     def step(self) -> list[Update]:
         running = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.drafts]
-        info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K)
-        k = self.policy.choose(info) if self.mode != "none" else 0
+        # The choice is also the depth this step drafts for the next; it can verify only what the last step
+        # drafted (one k for every request keeps the step a graph's uniform decode)
+        drafts = min((len(r.drafts) for r in running), default=self.K)
+        info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K, drafts=drafts)
+        want = self.policy.choose(info) if self.mode != "none" else 0
+        k = min(want, drafts)
         batch = self.scheduler.schedule(k)
         if not batch:
             return []
@@ -216,7 +222,7 @@ class LLMEngine:
         num_graphs = graphs.num_graphs if graphs is not None else 0
         t0 = time.perf_counter()
         try:
-            result = self.runner.execute(batch, draft_len=k)  # EAGLE-3 drafts what the next step will verify
+            result = self.runner.execute(batch, draft_len=want)  # the depth the policy wants next
         except Exception as e:
             for s in batch:  # the failure touched exactly these requests: end them, keep the engine
                 self.scheduler.finish(s.req, "error")

@@ -7,6 +7,13 @@ ForwardMeta tensors on the compute group), so all ranks run the same forward and
 all-reduces; only rank 0 reads the result. Workers keep no per-request state: rank 0's slot mapping
 says where their K/V go, so ranks cannot disagree about accepted lengths.
 
+CUDA graphs: every worker builds the target graphs' layout that rank 0 sends at start-up
+(`graphs.target_graph_set`). Rank 0's target graphs call this group as their `graphs.Mirror`: before rank 0
+captures a key the workers are told to capture it (the warm-up forwards and the captured all-reduces of
+all ranks meet), and before rank 0 replays one they get the step's real inputs and the key, pad them into
+their own static buffers and replay the same graph. Rank 0's forwards inside its graph code are muted
+(no eager-step announcement), so a step is announced exactly once either way.
+
 Sharding (`target_shard`, Megatron style; `DecoderLayer.all_reduce` sums the partial outputs):
   attention  q/k/v rows and sinks by head, o_proj columns (its bias on rank 0 only);
   experts    w1/b1 rows [2*start, 2*end) of the intermediate dimension (gate/up pairs are interleaved,
@@ -23,6 +30,7 @@ spawning a process and importing torch on a loaded machine takes seconds, whatev
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import signal
@@ -42,8 +50,8 @@ from peagle_core.loading.checkpoint import Shard, load_target, read_json
 from peagle_core.models.gpt_oss import GptOss
 from peagle_core.models.layers import ForwardMeta
 
-STEP, INIT, SHUTDOWN = 0, 1, 2   # message kinds (header[0])
-HEADER = 6                       # kind, num_tokens, num_requests, block-table width, flags, spare
+STEP, INIT, SHUTDOWN, CAPTURE, REPLAY = 0, 1, 2, 3, 4  # message kinds (header[0])
+HEADER = 8  # kind, num_tokens, num_requests, block-table width, flags, graph key (requests, tokens), spare
 HAS_SEQ_LENS, HAS_SLOTS, HAS_BLOCK_TABLES = 1, 2, 4
 IDLE = dt.timedelta(days=3650)   # workers wait for rank 0 on the control group for as long as the engine idles
 
@@ -186,8 +194,10 @@ class Communicator:
         return self.ctrl.allreduce([t], opts), t
 
 
-def pack_forward(input_ids: torch.Tensor, meta: ForwardMeta) -> tuple[list[int], torch.Tensor]:
-    """One target forward as a header and one int64 tensor (on rank 0's device: no host sync)."""
+def pack_forward(input_ids: torch.Tensor, meta: ForwardMeta, kind: int = STEP, key: tuple[int, int] = (0, 0)
+                 ) -> tuple[list[int], torch.Tensor]:
+    """One target forward (eager STEP, or REPLAY of graph `key`) as a header and one int64 tensor (on rank 0's
+    device: no host sync)."""
     if meta.attn_mask is not None:
         raise ValueError("tensor parallelism does not support forwards with an explicit attn_mask")
     T, B = input_ids.numel(), meta.query_start_loc.numel() - 1
@@ -201,7 +211,7 @@ def pack_forward(input_ids: torch.Tensor, meta: ForwardMeta) -> tuple[list[int],
     if meta.block_tables is not None:
         parts.append(meta.block_tables.reshape(-1))
         width, flags = meta.block_tables.shape[1], flags | HAS_BLOCK_TABLES
-    return [STEP, T, B, width, flags], torch.cat([p.reshape(-1).long() for p in parts])
+    return [kind, T, B, width, flags, *key], torch.cat([p.reshape(-1).long() for p in parts])
 
 
 def payload_size(T: int, B: int, width: int, flags: int) -> int:
@@ -210,7 +220,7 @@ def payload_size(T: int, B: int, width: int, flags: int) -> int:
 
 
 def unpack_forward(header: list[int], payload: torch.Tensor) -> tuple[torch.Tensor, ForwardMeta]:
-    _, T, B, width, flags, _ = header
+    T, B, width, flags = header[1:5]
     sizes = [T, T, B + 1, B if flags & HAS_SEQ_LENS else 0, T if flags & HAS_SLOTS else 0,
              B * width if flags & HAS_BLOCK_TABLES else 0]
     ids, pos, qsl, seq, slots, bt = payload.split(sizes)
@@ -247,6 +257,7 @@ class WorkerSpec:
 def run_worker(spec: WorkerSpec, rank: int) -> None:
     """A worker's whole life: connect, load its shard, agree on the KV cache, then follow rank 0's forwards."""
     from kernels.dispatch import set_triton_enabled
+    from peagle_core.engine.graphs import target_graph_set
     from peagle_core.engine.llm_engine import kv_budget_bytes
     from peagle_core.engine.model_runner import ModelRunner
     from peagle_core.loading.hub import resolve
@@ -268,20 +279,29 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     per_block = ModelRunner.cache_bytes_per_block(target, cfg.block_size, spec.dtype)
     work, _ = comm.start_min(cfg.num_gpu_blocks or int(kv_budget_bytes(cfg, device) // per_block))
     work.wait()
-    kind, num_blocks, max_model_len, *_ = comm.recv_header()
+    kind, num_blocks, max_model_len, max_num_seqs, K, budget, capture, _ = comm.recv_header()
     if kind != INIT:
         return
     # The same runner code binds the same cache layout; only its target forward is ever used here.
     ModelRunner(target, None, "none", 0, cfg.block_size, num_blocks, max_model_len, device, spec.dtype,
                 tcfg.vocab_size)
+    graphs = target_graph_set(target, max_num_seqs, K, max_model_len, cfg.block_size, budget or None, device,
+                              bool(capture), torch.cuda.graph_pool_handle() if capture else None)
     with torch.inference_mode():
         while True:
             header = comm.recv_header()
-            if header[0] == SHUTDOWN:
+            kind, key = header[0], (header[5], header[6])
+            if kind == SHUTDOWN:
                 return
+            if kind == CAPTURE:
+                graphs.capture_one(key)
+                continue
             payload = torch.empty(payload_size(*header[1:5]), dtype=torch.long, device=device)
             input_ids, meta = unpack_forward(header, comm.broadcast(payload))
-            target(input_ids, meta)
+            if kind == REPLAY:
+                graphs.run(input_ids, None, meta, key)
+            else:
+                target(input_ids, meta)
 
 
 def _node_ip() -> str:
@@ -427,16 +447,27 @@ def current_placement_group():
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class GraphLayout:
+    """Rank 0's target graphs, as the workers must build theirs (`graphs.target_graph_set`)."""
+
+    max_num_seqs: int
+    K: int
+    budget: int | None  # the mixed steps' token budget (None: decode steps only)
+    capture: bool       # False: eager, or the padded forwards without capture (CPU tests)
+
+
 class SingleDevice:
     """TP=1: the same interface as `TPWorkerGroup`, doing nothing."""
 
     world_size = 1
     shard: Shard | None = None
+    mirror = None  # no workers to mirror the target's graphs
 
     def apply(self, target: GptOss) -> None:
         pass
 
-    def agree_num_blocks(self, num_blocks: int, max_model_len: int) -> int:
+    def agree_num_blocks(self, num_blocks: int, max_model_len: int, graphs: GraphLayout) -> int:
         return num_blocks
 
     def check_alive(self) -> None:
@@ -466,7 +497,8 @@ class TPWorkerGroup:
         self.timeout_s = tp_timeout_s()
         host = _node_ip() if pg is not None else "127.0.0.1"
         self.broken: str | None = None
-        self.started = self.closed = False
+        self.started = self.closed = self.quiet = False
+        self.mirror = self  # rank 0's target graphs tell the workers what to capture and replay
         self.store = dist.TCPStore(host, 0, n, True, timeout=dt.timedelta(seconds=self.timeout_s),
                                    wait_for_workers=False)
         spec = WorkerSpec(cfg, dtype, devices, host, self.store.port, None if pg is not None else host,
@@ -488,15 +520,17 @@ class TPWorkerGroup:
         install_all_reduce(target, self.all_reduce)
         target.register_forward_pre_hook(self._announce, with_kwargs=True)
 
-    def agree_num_blocks(self, num_blocks: int, max_model_len: int) -> int:
-        """Every rank sizes its KV cache; all take the smallest, then the workers bind theirs and start."""
+    def agree_num_blocks(self, num_blocks: int, max_model_len: int, graphs: GraphLayout) -> int:
+        """Every rank sizes its KV cache; all take the smallest, then the workers bind theirs, build the target
+        graphs' buffers of rank 0's layout and start."""
         work, t = self.comm.start_min(num_blocks)
         self._wait(work.is_completed, "load their shards")  # as long as loading takes, while they live
         work.wait()
         n = int(t.item())
         if n < 1:
             raise ValueError("a tensor-parallel worker has no memory for a single KV-cache block")
-        self.comm.send_header(INIT, n, max_model_len)
+        self.comm.send_header(INIT, n, max_model_len, graphs.max_num_seqs, graphs.K, graphs.budget or 0,
+                              int(graphs.capture))
         self.started = True
         return n
 
@@ -519,17 +553,37 @@ class TPWorkerGroup:
             self._fail("all-reduce", e)
 
     def _announce(self, module, args, kwargs) -> None:
+        if self.quiet:
+            return  # a forward of rank 0's graph code: `replay` / `capture` announced it
         input_ids = args[0] if args else kwargs["input_ids"]
         meta = args[1] if len(args) > 1 else kwargs["meta"]
+        self._send("step broadcast", *pack_forward(input_ids, meta))
+
+    # `graphs.Mirror`: rank 0's target graphs drive the workers' copies.
+    def capture(self, key: tuple[int, int]) -> None:
+        self._send("graph capture", [CAPTURE, 0, 0, 0, 0, *key])
+
+    def replay(self, key: tuple[int, int], input_ids: torch.Tensor, meta: ForwardMeta) -> None:
+        self._send("step broadcast", *pack_forward(input_ids, meta, REPLAY, key))
+
+    @contextlib.contextmanager
+    def muted(self):
+        quiet, self.quiet = self.quiet, True
+        try:
+            yield
+        finally:
+            self.quiet = quiet
+
+    def _send(self, what: str, header: list[int], payload: torch.Tensor | None = None) -> None:
         if not self.started:
             raise TPError("the tensor-parallel workers have not started yet")
         self.check_alive()
-        header, payload = pack_forward(input_ids, meta)
         try:
             self.comm.send_header(*header)
-            self.comm.broadcast(payload)
+            if payload is not None:
+                self.comm.broadcast(payload)
         except Exception as e:
-            self._fail("step broadcast", e)
+            self._fail(what, e)
 
     def _fail(self, what: str, e: Exception):
         """A collective failed: the ranks are out of step for good. Name the dead worker if there is one."""

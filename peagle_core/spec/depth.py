@@ -2,7 +2,8 @@
 
 The engine asks `choose(info)` once per step (one k for the whole batch, so verify shapes stay
 graph-friendly) and reports back with `observe(...)` after the step, so a policy can learn
-acceptance rates and step times online.
+acceptance rates and step times online. The step drafts k for the next one and verifies what the previous
+step drafted, at most k: `StepOutcome.k` is the depth it verified.
 """
 from __future__ import annotations
 
@@ -11,14 +12,22 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class StepInfo:
-    num_verify: int          # requests that will verify drafts this step
-    num_prefill_tokens: int  # prompt tokens in the same step
-    max_k: int               # K: drafts available per request
+    """What a step's choice is made from. The choice k is also how many drafts the step makes for the next
+    one, so a step verifies min(k, drafts): the drafts its requests hold are those the previous step made."""
+
+    num_verify: int           # requests that will verify drafts this step
+    num_prefill_tokens: int   # prompt tokens in the same step
+    max_k: int                # K: the deepest a policy may ask for
+    drafts: int | None = None  # drafts every verifying request holds (None: max_k)
+
+    @property
+    def verifiable(self) -> int:
+        return self.max_k if self.drafts is None else min(self.drafts, self.max_k)
 
 
 @dataclass(frozen=True)
 class StepOutcome:
-    k: int
+    k: int                           # drafts the step verified (min of the choice and the drafts held)
     accepted: list[tuple[int, int]]  # (drafts verified, drafts accepted) per verifying request
     step_time: float                 # seconds, device work included
     num_tokens: int                  # target tokens in the step
