@@ -104,7 +104,7 @@ case "${1:-}" in
     ;;
   tp-graphs)  # two H200s: TP=2 with CUDA graphs (the tiny pair's GPU tests; TP_TESTS_K selects some), then unless
               # TP_BENCH=0 TP=1 vs TP=2, graphs and eager, at the 20B shape
-    timeout "${TP_TESTS_TIMEOUT:-200}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=5 tests/test_tp.py \
+    timeout "${TP_TESTS_TIMEOUT:-240}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=5 tests/test_tp.py \
       ${TP_TESTS_K:+-k "$TP_TESTS_K"} 2>&1 | tail -n 40 > "$OUT/tp_tests.log"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tp_tests.log" | tail -n 8
     [ "${TP_BENCH:-1}" = 0 ] || timeout "${TP_TIMEOUT:-370}" python3 -m peagle_core.parallel_bench --shape 20b --tp 2 \
