@@ -19,14 +19,13 @@ vector, so it starts the running state: m = sink, l = 1, acc = 0. Only KV positi
 With few programs (decode at small batch) the KV range of a tile is split across NUM_SPLITS
 programs ("flash decoding"); each stores its partial (m, l, acc) and a second kernel merges them
 together with the sink. (Merging in the attention kernel instead, the last split of each tile counting
-in on an atomic, was tried on an H200 with GPT-OSS-20B heads, 24 layers in a CUDA graph, in a one-off
-microbenchmark not kept: at most 0.9 us a layer faster for decode tiles of up to 8 splits, slower for
-verify tiles and at the 32 splits that batch-1 decode gets with the graphs' KV capacity; not worth a
-second merge path.)
+in on an atomic, was tried on an H200 in a one-off microbenchmark, not kept: a little faster for small
+decode tiles, slower for verify tiles and at the 32 splits that batch-1 decode gets with the graphs' KV
+capacity; not worth a second merge path.)
 
 Tokens after the last request (CUDA-graph padding) belong to no tile: tile i zeroes the i-th BLOCK_Q
 of them, and there are more than T // BLOCK_Q tiles, so every output token is written and the output
-needs no memset (one graph node less: ~0.8 us a layer at bs 16 on an H200, in the same microbenchmark).
+needs no memset (one CUDA-graph node less a layer).
 """
 from __future__ import annotations
 

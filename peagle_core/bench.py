@@ -44,7 +44,7 @@ from torch import nn
 from kernels import set_triton_enabled, triton_enabled, use_triton
 from kernels.dispatch import use_pdl
 from peagle_core.config import DrafterConfig, GptOssConfig
-from peagle_core.engine.graphs import GraphRunner
+from peagle_core.engine.graphs import GraphRunner, graphs_supported
 from peagle_core.engine.model_runner import ModelRunner
 from peagle_core.engine.request import Request
 from peagle_core.engine.scheduler import Scheduled
@@ -665,8 +665,7 @@ class Bench:
         self.device, self.dtype = r["device"], r["dtype"]
         probe = torch.empty(0, device=self.device)
         triton_on = use_triton(probe)
-        # CUDA graphs need CUDA and the (sync-free) Triton kernels; --eager turns them off
-        self.graphs = not args.eager and self.device.type == "cuda" and triton_on
+        self.graphs = graphs_supported(self.device, args.eager)  # the engine's rule; --eager turns them off
         primary = args.shape != "120b"
         big = args.shape == "120b" or not args.skip_120b
         sections = (1 + (3 if primary else 0) + (0 if args.skip_draft or not primary else 1)

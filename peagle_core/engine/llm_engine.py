@@ -214,7 +214,7 @@ class LLMEngine:
         drafts = min((len(r.drafts) for r in running), default=self.K)
         info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K, drafts=drafts)
         want = self.policy.choose(info) if self.mode != "none" else 0
-        k = min(want, drafts)
+        k = min(want, info.verifiable)
         batch = self.scheduler.schedule(k)
         if not batch:
             return []
