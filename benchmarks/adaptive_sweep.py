@@ -16,8 +16,8 @@ are done. Policies: `none` (no drafter), `K1`..`K7` (fixed K: an engine with num
 `adaptive` (k <= max K chosen per step), `batch_table` (vLLM's num_speculative_tokens_per_batch_size;
 unless given with --batch-table, tuned from this run's fixed-K cells, best K per concurrency, the
 way vLLM derives it from benchmark sweeps) and `ema_tiers` (SGLang-like, default tiers 1/3/7);
-on request `K<k>@<D>` (k verified on a depth-D engine, which drafts D: the choice of k without the
-drafting cost a fixed-K engine saves). docs/adaptive.md has the GPU recipe and what the results mean.
+on request `K<k>@<D>` (fixed k on the depth-D engine the adaptive policy runs on; it drafts k, as the engine
+drafts what its policy chooses: whatever a depth-D engine costs beyond a depth-k one shows here). docs/adaptive.md has the GPU recipe and what the results mean.
 
 Throughput counts the output tokens of the steps between the first completion (every slot busy,
 start-up prefill done) and the last admission (C requests in flight throughout). TPOT per request is
@@ -430,8 +430,8 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
 
 
 def fixed_policy(name: str) -> tuple[int, int | None] | None:
-    """`K<k>` -> (k, None): an engine at depth k; `K<k>@<D>` -> (k, D): k verified on a depth-D engine
-    (drafting what D drafts: the policy's choice separated from the drafting cost). None otherwise."""
+    """`K<k>` -> (k, None): an engine at depth k; `K<k>@<D>` -> (k, D): fixed k on a depth-D engine (the
+    engine the adaptive policy runs on, drafting k). None otherwise."""
     if not name.startswith("K"):
         return None
     k, _, depth = name[1:].partition("@")
@@ -851,8 +851,8 @@ def comparison_lines(cells: list[dict[str, Any]], fixed: list[int], conc: list[i
     kmax = f"K{max(fixed)}" + (f"@{depth}" if depth else "")
     if depth:
         head = [f"### Against fixed k on the same depth-{depth} engine (throughput ratio)", "",
-                f"`K<k>@{depth}` verifies k drafts on an engine that drafts {depth}: these ratios isolate the "
-                "policy's choice of k from the drafting cost a fixed-K engine saves.", ""]
+                f"`K<k>@{depth}` runs fixed k on the depth-{depth} engine the adaptive policy runs on (drafting k): "
+                "these ratios compare the policy's choice of k with fixed k on the same engine.", ""]
     else:
         head = ["### Against the best fixed K (throughput ratio; < 0.97 marked)", ""]
     rows = []
