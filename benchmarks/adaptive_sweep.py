@@ -576,6 +576,9 @@ def combine_rounds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("concurrency", "K", "round"):
                     cell[key] = statistics.median(c[key] for c in group if isinstance(c.get(key), (int, float)))
             cell.pop("round", None)
+            ms = [c.get("decode_step_ms_at_k", {}) for c in group]  # per k, over the rounds that ran it
+            cell["decode_step_ms_at_k"] = {k: statistics.median(m[k] for m in ms if k in m)
+                                           for k in sorted({k for m in ms for k in m}, key=int)}
         cell["rounds"] = len(group)
         cell["throughput_by_round"] = [c["throughput_tok_s"] for c in group]
         out.append(cell)
@@ -604,10 +607,16 @@ def grid_summary(policy) -> dict[str, Any] | None:
 def cell_summary(engine) -> dict[str, Any]:
     d = engine.policy.describe()
     steps = d.get("steps", 0.0)
+
+    def by_k(name: str) -> dict[str, float]:
+        return {key.split(".", 1)[1]: v for key, v in d.items() if key.startswith(name + ".")}
+
+    n, seconds = by_k("decode_steps_at_k"), by_k("decode_seconds_at_k")
     out = {"mean_k": d.get("depth_sum", 0.0) / steps if steps else 0.0,
-           "k_share": {k.split(".", 1)[1]: v / steps for k, v in d.items() if k.startswith("steps_at_k.")}
-           if steps else {},
-           "acceptance_length": engine.stats.acceptance_length}
+           "k_share": {k: v / steps for k, v in by_k("steps_at_k").items()} if steps else {},
+           "acceptance_length": engine.stats.acceptance_length,
+           # the pure decode steps' mean ms at each k verified: one engine's step cost beside another's
+           "decode_step_ms_at_k": {k: 1e3 * seconds.get(k, 0.0) / n[k] for k in n}}
     if d.get("predicted_steps"):
         out["predicted_over_realized_tokens"] = d["predicted_tokens"] / max(d.get("predicted_realized_tokens", 0), 1)
         out["predicted_over_measured_step_time"] = d["predicted_step_seconds"] / max(d["measured_step_seconds"], 1e-12)

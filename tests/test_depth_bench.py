@@ -143,8 +143,11 @@ def test_combine_rounds_takes_medians_and_keeps_single_cells():
     cells = [{"policy": "K1", "concurrency": 4, "round": r, "status": "ok", "throughput_tok_s": t, "mean_k": 1.0}
              for r, t in enumerate([30.0, 10.0, 20.0])] + [{"policy": "K3", "concurrency": 4, "status": "ok",
                                                            "throughput_tok_s": 5.0, "mean_k": 3.0}]
+    for c, ms in zip(cells, [{"1": 8.0}, {"1": 6.0, "2": 9.0}, {"1": 7.0}]):
+        c["decode_step_ms_at_k"] = ms
     combined = {c["policy"]: c for c in S.combine_rounds(cells)}
     assert combined["K1"]["throughput_tok_s"] == 20.0 and combined["K1"]["throughput_by_round"] == [30.0, 10.0, 20.0]
+    assert combined["K1"]["decode_step_ms_at_k"] == {"1": 7.0, "2": 9.0}  # per k, over the rounds that ran it
     assert combined["K3"]["rounds"] == 1 and combined["K3"]["throughput_tok_s"] == 5.0
 
 
@@ -160,6 +163,9 @@ def test_sweep_replays_acceptance_on_random_weights(tmp_path):
     # random weights accept ~nothing; the replayed a = 0.9 gives 1 + 0.9 (+ 0.81 + 0.73 at K = 3)
     assert cells["K1"]["acceptance_length"] == pytest.approx(1.9, abs=0.2)
     assert cells["K3"]["acceptance_length"] > 2.8
+    # each engine's pure decode steps timed at the k it verified (K3 drops below 3 near a request's last tokens)
+    assert set(cells["K1"]["decode_step_ms_at_k"]) == {"1"} and "3" in cells["K3"]["decode_step_ms_at_k"]
+    assert all(ms > 0 for c in cells.values() for ms in c["decode_step_ms_at_k"].values())
     assert S.main(["sweep", "--shape", "random-tiny", "--out", str(tmp_path / "x")]) == 2  # no --replay: refused
 
 

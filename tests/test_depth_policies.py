@@ -195,6 +195,23 @@ def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot
     assert est.reached[0] == pytest.approx(0.98 * before + 32) and est.reached[2] < 0.9 * before
 
 
+def test_the_tally_times_pure_decode_steps_by_the_k_verified():
+    """Mean step time per k over decode steps only: a step with prompt tokens in it, or one that captured a
+    graph, is not what k costs."""
+    from peagle_core.spec.depth import DepthTally
+
+    t = DepthTally()
+    t.record(StepInfo(2, 0, 7), StepOutcome(1, [(1, 1), (1, 0)], 0.010, 4))
+    t.record(StepInfo(2, 0, 7), StepOutcome(1, [(1, 0), (1, 0)], 0.012, 4))
+    t.record(StepInfo(2, 0, 7), StepOutcome(3, [(3, 2), (2, 0)], 0.020, 7))   # one request held 2 drafts
+    t.record(StepInfo(2, 0, 7), StepOutcome(3, [(3, 0), (3, 1)], 0.050, 40))  # a prompt chunk in the step
+    t.record(StepInfo(2, 0, 7), StepOutcome(1, [(1, 1), (1, 1)], 0.900, 4, timed=False))  # a capture
+    d = t.as_dict()
+    assert d["steps"] == 5 and d["steps_at_k.1"] == 3 and d["steps_at_k.3"] == 2
+    assert d["decode_steps_at_k.1"] == 2 and d["decode_seconds_at_k.1"] == pytest.approx(0.022)
+    assert d["decode_steps_at_k.3"] == 1 and d["decode_seconds_at_k.3"] == pytest.approx(0.020)
+
+
 def test_a_prefill_only_step_leaves_the_acceptance_estimate_alone():
     """A step with nothing to verify (every running request still in its prefill) judges no position because
     none could be judged: it must not count as positions going unjudged (which now forget fast)."""

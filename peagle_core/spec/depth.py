@@ -55,6 +55,10 @@ class DepthTally:
     measured_step_seconds: float = 0.0  # the same steps, as measured
     predicted_realized_tokens: int = 0  # the same steps, as realised
     explored_steps: int = 0           # steps that ran another k than the policy's best guess, to measure it
+    # Pure decode steps (no prompt tokens, no capture) by the k verified: their count and seconds, so a run can
+    # set one engine's step cost at k beside another's (a depth-7 engine's k = 1 steps beside a K1 engine's).
+    decode_steps_at_k: list[int] = field(default_factory=list)
+    decode_seconds_at_k: list[float] = field(default_factory=list)
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
                predicted_step_s: float | None = None, explored: bool = False) -> int:
@@ -74,6 +78,9 @@ class DepthTally:
         realized = sum(per_request)
         self.realized_tokens += realized
         self.step_seconds += outcome.step_time
+        if outcome.timed and outcome.num_tokens <= info.num_verify * (1 + k):
+            _bump(self.decode_steps_at_k, k)
+            _bump(self.decode_seconds_at_k, k, outcome.step_time)
         if predicted_tokens is not None and predicted_step_s is not None and outcome.timed:
             self.predicted_steps += 1
             self.predicted_tokens += predicted_tokens
@@ -88,13 +95,15 @@ class DepthTally:
             "predicted_step_seconds", "measured_step_seconds", "predicted_realized_tokens", "explored_steps")}
         d.update({f"steps_at_k.{k}": float(n) for k, n in enumerate(self.steps_at_k) if n})
         d.update({f"tokens_per_verify.{n}": float(c) for n, c in enumerate(self.tokens_per_verify) if c})
+        d.update({f"decode_steps_at_k.{k}": float(n) for k, n in enumerate(self.decode_steps_at_k) if n})
+        d.update({f"decode_seconds_at_k.{k}": s for k, s in enumerate(self.decode_seconds_at_k) if s})
         return d
 
 
-def _bump(counts: list[int], i: int) -> None:
+def _bump(counts: list, i: int, by: float = 1) -> None:
     if len(counts) <= i:
         counts.extend([0] * (i + 1 - len(counts)))
-    counts[i] += 1
+    counts[i] += by
 
 
 class DepthPolicy:
