@@ -617,6 +617,10 @@ def cell_summary(engine) -> dict[str, Any]:
            "acceptance_length": engine.stats.acceptance_length,
            # the pure decode steps' mean ms at each k verified: one engine's step cost beside another's
            "decode_step_ms_at_k": {k: 1e3 * seconds.get(k, 0.0) / n[k] for k in n}}
+    # the other verifying steps (a prompt chunk in them, or a capture): how many, and their mean ms
+    other = steps - sum(n.values())
+    out["other_steps"] = other
+    out["other_step_ms"] = 1e3 * (d.get("step_seconds", 0.0) - sum(seconds.values())) / other if other else 0.0
     if d.get("predicted_steps"):
         out["predicted_over_realized_tokens"] = d["predicted_tokens"] / max(d.get("predicted_realized_tokens", 0), 1)
         out["predicted_over_measured_step_time"] = d["predicted_step_seconds"] / max(d["measured_step_seconds"], 1e-12)
