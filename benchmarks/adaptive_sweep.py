@@ -576,9 +576,10 @@ def combine_rounds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and key not in ("concurrency", "K", "round"):
                     cell[key] = statistics.median(c[key] for c in group if isinstance(c.get(key), (int, float)))
             cell.pop("round", None)
-            ms = [c.get("decode_step_ms_at_k", {}) for c in group]  # per k, over the rounds that ran it
-            cell["decode_step_ms_at_k"] = {k: statistics.median(m[k] for m in ms if k in m)
-                                           for k in sorted({k for m in ms for k in m}, key=int)}
+            for key in ("decode_step_ms_at_k", "decode_drafts_at_k"):  # per k, over the rounds that ran it
+                ms = [c.get(key, {}) for c in group]
+                cell[key] = {k: statistics.median(m[k] for m in ms if k in m)
+                             for k in sorted({k for m in ms for k in m}, key=int)}
         cell["rounds"] = len(group)
         cell["throughput_by_round"] = [c["throughput_tok_s"] for c in group]
         out.append(cell)
@@ -611,12 +612,13 @@ def cell_summary(engine) -> dict[str, Any]:
     def by_k(name: str) -> dict[str, float]:
         return {key.split(".", 1)[1]: v for key, v in d.items() if key.startswith(name + ".")}
 
-    n, seconds = by_k("decode_steps_at_k"), by_k("decode_seconds_at_k")
+    n, seconds, drafted = by_k("decode_steps_at_k"), by_k("decode_seconds_at_k"), by_k("decode_drafted_at_k")
     out = {"mean_k": d.get("depth_sum", 0.0) / steps if steps else 0.0,
            "k_share": {k: v / steps for k, v in by_k("steps_at_k").items()} if steps else {},
            "acceptance_length": engine.stats.acceptance_length,
            # the pure decode steps' mean ms at each k verified: one engine's step cost beside another's
-           "decode_step_ms_at_k": {k: 1e3 * seconds.get(k, 0.0) / n[k] for k in n}}
+           "decode_step_ms_at_k": {k: 1e3 * seconds.get(k, 0.0) / n[k] for k in n},
+           "decode_drafts_at_k": {k: drafted.get(k, 0.0) / n[k] for k in n}}  # their mean drafts made
     # the other verifying steps (a prompt chunk in them, or a capture): how many, and their mean ms
     other = steps - sum(n.values())
     out["other_steps"] = other

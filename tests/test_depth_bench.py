@@ -165,6 +165,7 @@ def test_sweep_replays_acceptance_on_random_weights(tmp_path):
     assert cells["K3"]["acceptance_length"] > 2.8
     # each engine's pure decode steps timed at the k it verified (K3 drops below 3 near a request's last tokens)
     assert set(cells["K1"]["decode_step_ms_at_k"]) == {"1"} and "3" in cells["K3"]["decode_step_ms_at_k"]
+    assert cells["K1"]["decode_drafts_at_k"] == {"1": 1.0}  # a fixed-depth engine drafts its K every step
     assert all(ms > 0 for c in cells.values() for ms in c["decode_step_ms_at_k"].values())
     assert all(c["other_steps"] > 0 and c["other_step_ms"] > 0 for c in cells.values())  # the joins' prompt chunks
     assert S.main(["sweep", "--shape", "random-tiny", "--out", str(tmp_path / "x")]) == 2  # no --replay: refused

@@ -254,7 +254,8 @@ class LLMEngine:
             updates.append(Update(req, new, text))
         # a step that captured a graph (a shape first met) timed the capture, not the step
         timed = graphs is None or graphs.num_graphs == num_graphs
-        self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch), timed))
+        self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch), timed,
+                                              drafted=want))
         for u in updates:
             if u.req.finished:
                 self.requests.pop(u.req.request_id, None)

@@ -32,6 +32,7 @@ class StepOutcome:
     step_time: float                 # seconds, device work included
     num_tokens: int                  # target tokens in the step
     timed: bool = True               # False: the step also captured a CUDA graph, so step_time is not its cost
+    drafted: int = 0                 # drafts the step made for the next one (the policy's choice)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class DepthTally:
     # set one engine's step cost at k beside another's (a depth-7 engine's k = 1 steps beside a K1 engine's).
     decode_steps_at_k: list[int] = field(default_factory=list)
     decode_seconds_at_k: list[float] = field(default_factory=list)
+    decode_drafted_at_k: list[int] = field(default_factory=list)  # and the drafts they made (P-EAGLE: input size)
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
                predicted_step_s: float | None = None, explored: bool = False) -> int:
@@ -81,6 +83,7 @@ class DepthTally:
         if outcome.timed and outcome.num_tokens <= info.num_verify * (1 + k):
             _bump(self.decode_steps_at_k, k)
             _bump(self.decode_seconds_at_k, k, outcome.step_time)
+            _bump(self.decode_drafted_at_k, k, outcome.drafted)
         if predicted_tokens is not None and predicted_step_s is not None and outcome.timed:
             self.predicted_steps += 1
             self.predicted_tokens += predicted_tokens
@@ -97,6 +100,7 @@ class DepthTally:
         d.update({f"tokens_per_verify.{n}": float(c) for n, c in enumerate(self.tokens_per_verify) if c})
         d.update({f"decode_steps_at_k.{k}": float(n) for k, n in enumerate(self.decode_steps_at_k) if n})
         d.update({f"decode_seconds_at_k.{k}": s for k, s in enumerate(self.decode_seconds_at_k) if s})
+        d.update({f"decode_drafted_at_k.{k}": float(n) for k, n in enumerate(self.decode_drafted_at_k) if n})
         return d
 
 
