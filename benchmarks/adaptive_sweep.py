@@ -17,7 +17,8 @@ are done. Policies: `none` (no drafter), `K1`..`K7` (fixed K: an engine with num
 unless given with --batch-table, tuned from this run's fixed-K cells, best K per concurrency, the
 way vLLM derives it from benchmark sweeps) and `ema_tiers` (SGLang-like, default tiers 1/3/7);
 on request `K<k>@<D>` (fixed k on the depth-D engine the adaptive policy runs on; it drafts k, as the engine
-drafts what its policy chooses: whatever a depth-D engine costs beyond a depth-k one shows here). docs/adaptive.md has the GPU recipe and what the results mean.
+drafts what its policy chooses: whatever a depth-D engine costs beyond a depth-k one shows here).
+docs/adaptive.md has the GPU recipe and what the results mean.
 
 Throughput counts the output tokens of the steps between the first completion (every slot busy,
 start-up prefill done) and the last admission (C requests in flight throughout). TPOT per request is
