@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
 #   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
+#   bash benchmarks/gpu_run.sh tp-allreduce  # two H200s: a TP=2 step's all-reduces alone, and their share of it
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
 #   bash benchmarks/gpu_run.sh train-speed     # one H200: head-training step times, eager and compiled (carry it too)
@@ -107,8 +108,14 @@ case "${1:-}" in
     timeout "${TP_TESTS_TIMEOUT:-240}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=5 tests/test_tp.py \
       ${TP_TESTS_K:+-k "$TP_TESTS_K"} 2>&1 | tail -n 40 > "$OUT/tp_tests.log"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tp_tests.log" | tail -n 8
-    [ "${TP_BENCH:-1}" = 0 ] || timeout "${TP_TIMEOUT:-370}" python3 -m peagle_core.parallel_bench --shape 20b --tp 2 \
-      --device cuda --batch-sizes 1,8,32 --context 1024 --out "$OUT/tp" 2>&1 | tail -n 16
+    [ "${TP_BENCH:-1}" = 0 ] || { timeout "${TP_TIMEOUT:-370}" python3 -m peagle_core.parallel_bench --shape 20b \
+      --tp 2 --device cuda --batch-sizes 1,8,32 --context 1024 --out "$OUT/tp" 2>&1 | tail -n 16
+      TP_STEPS="$OUT/tp/summary.json" bash "$0" tp-allreduce; }
+    ;;
+  tp-allreduce)  # two H200s: one decode step's all-reduces alone, in a CUDA graph, and their share of the TP=2
+                 # step (TP_STEPS: a parallel_bench summary; default the committed one, docs/benchmarks/tp/)
+    timeout 150 python3 benchmarks/allreduce_bench.py --shape 20b --tp 2 --device cuda --batch-sizes 1,8,32 \
+      --step-times "${TP_STEPS:-docs/benchmarks/tp/graphs_20b.json}" --out "$OUT/tp" 2>&1 | tail -n 8
     ;;
   adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance)
     timeout "${SWEEP_TIMEOUT:-560}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
@@ -170,5 +177,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|pair-heads|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|pair-heads|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

@@ -319,6 +319,33 @@ def test_parallel_bench_compares_tp1_and_tp2(tmp_path):
     assert "| 2 |" in (tmp_path / "summary.md").read_text()
 
 
+def test_allreduce_bench_times_two_all_reduces_a_layer_and_their_share_of_the_step(tmp_path):
+    """The all-reduce estimate's code path on CPU (gloo, two processes): one row a batch size, two all-reduces a
+    layer of [batch, hidden], and the share of the step where the parallel_bench summary has the batch size."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import allreduce_bench
+
+    steps = tmp_path / "summary.json"
+    steps.write_text(json.dumps({"runs": {"tp2": {"decode": [{"batch": 1, "median_ms": 500.0}]}}}))
+    assert allreduce_bench.main(["--shape", "tiny", "--tp", "2", "--device", "cpu", "--batch-sizes", "1,3",
+                                 "--iters", "3", "--warmup", "1", "--step-times", str(steps),
+                                 "--out", str(tmp_path)]) == 0
+    from peagle_core.bench import target_config
+
+    r = json.loads((tmp_path / "allreduce.json").read_text())
+    cfg = target_config("tiny")  # the shipped tiny target's shape
+    assert [row["batch"] for row in r["rows"]] == [1, 3] and r["step_run"] == "tp2"
+    one, three = r["rows"]
+    assert one["all_reduces"] == 2 * cfg.num_hidden_layers and three["bytes_each"] == 3 * cfg.hidden_size * 4
+    assert one["ms_per_step"] > 0 and one["share_of_step"] == pytest.approx(one["ms_per_step"] / 500.0)
+    assert "share_of_step" not in three  # no step time for batch 3
+    assert "| 1 |" in (tmp_path / "allreduce.md").read_text()
+
+
 # --------------------------------------------------------------------------------------------
 # GPUs (skipped here)
 # --------------------------------------------------------------------------------------------
