@@ -159,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
               "command": "python benchmarks/allreduce_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rows": measure(args), "step_times": args.step_times}
-    if args.step_times:
+    if args.step_times and Path(args.step_times).is_file():
         result["step_run"] = add_shares(result["rows"], json.loads(Path(args.step_times).read_text()), args.tp)
+    elif args.step_times:  # e.g. the step-time run before it was cut short: the all-reduce times still count
+        print(f"no step times at {args.step_times}: reporting the all-reduces alone", file=sys.stderr)
+        result["step_times"] = None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "allreduce.json").write_text(json.dumps(result, indent=2))
