@@ -765,6 +765,51 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
     return result
 
 
+def diagnose(path: Path, log=print) -> None:
+    """Figures derived from a committed sweep JSON (docs/adaptive.md cites them): adaptive over the best fixed K
+    by the whole level (output tokens over the level's wall time, not the steady window), each cell's time per
+    step (its output tokens per step over its throughput), and the adaptive policy's host time per step
+    (`choose` + `observe` on this machine, on the grid the sweep's engine profiled at 4 requests)."""
+    result = json.loads(path.read_text())
+    rounds = [{**c, "level_tok_s": c["output_tokens"] / c["wall_s"],
+               "step_ms": 1e3 * c["output_tokens"] / c["steps"] / c["throughput_tok_s"]}
+              for c in result["cells_by_round"] if c.get("status") == "ok"]
+    cells, conc = combine_rounds(rounds), result["concurrency"]
+    window = {b["concurrency"]: b for b in bar_rows(cells, result["fixed"], conc)}
+    for b in bar_rows(cells, result["fixed"], conc, key="level_tok_s"):
+        C = b["concurrency"]
+        steps = " ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in cells if c["concurrency"] == C)
+        log(f"C={C:<3} adaptive/best: window {window[C]['over_best']:.3f} ({window[C]['best_fixed']}), "
+            f"whole level {b['over_best']:.3f} ({b['best_fixed']}); ms a step: {steps}")
+    if any(c["policy"] == "adaptive" and "step_grid" in c for c in cells):
+        from adaptive_sim import recorded_start_up_grid  # (it imports this module: not at the top)
+
+        seconds = policy_host_seconds(recorded_start_up_grid(result))
+        log(f"adaptive policy host time: {1e6 * seconds:.1f} us a step (choose + observe + describe)")
+
+
+def policy_host_seconds(grid: dict[int, list[float]], batch: int = 4, steps: int = 2000) -> float:
+    """Mean host time of `AdaptiveDepth.choose` + `observe` + `describe` on a start-up grid (seconds per batch
+    size and k), over synthetic steps."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.spec.depth import StepInfo, StepOutcome
+
+    K = len(next(iter(grid.values()))) - 1
+    policy = AdaptiveDepth(K, StepGrid(grid))
+    rng, drafts, total = random.Random(0), K, 0.0
+    for _ in range(steps):
+        info = StepInfo(batch, 0, K, drafts)
+        t0 = time.perf_counter()
+        want = policy.choose(info)
+        v = min(want, drafts)
+        policy.observe(info, StepOutcome(v, [(v, min(v, rng.randrange(3))) for _ in range(batch)],
+                                         policy.times.step(batch, v), batch * (1 + v), drafted=want))
+        policy.describe()
+        total += time.perf_counter() - t0
+        drafts = want
+    return total / steps
+
+
 # ------------------------------------------------------------------------------------------------
 # Report: JSON + markdown + PNG (shared with adaptive_sim.py)
 # ------------------------------------------------------------------------------------------------
@@ -1023,6 +1068,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("parts", nargs="+", help="the sweeps' --out directories (each with sweep.json)")
     m.add_argument("--out", required=True)
 
+    d = sub.add_parser("diagnose", help="figures derived from a sweep JSON: whole-level ratios, ms a step, "
+                       "the adaptive policy's host time")
+    d.add_argument("sweep_json")
+
     t = sub.add_parser("steps", help="measure a step-time table T(batch, k) for adaptive_sim.py")
     t.add_argument("--shape", default="tiny", choices=["tiny", "random-tiny", "20b", "120b"])
     t.add_argument("--mode", default="peagle", choices=["peagle", "eagle3"])
@@ -1049,6 +1098,8 @@ def main(argv: list[str] | None = None) -> int:
             sweep(a, log)
         elif a.cmd == "merge":
             merge([Path(p) for p in a.parts], Path(a.out))
+        elif a.cmd == "diagnose":
+            diagnose(Path(a.sweep_json))
         elif a.cmd == "record":
             from peagle_core.loading.tokenizer import Tokenizer
             from peagle_core.loading.hub import resolve

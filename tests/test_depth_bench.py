@@ -151,6 +151,16 @@ def test_combine_rounds_takes_medians_and_keeps_single_cells():
     assert combined["K3"]["rounds"] == 1 and combined["K3"]["throughput_tok_s"] == 5.0
 
 
+def test_diagnose_reproduces_the_figures_docs_cite_from_a_committed_sweep():
+    """docs/adaptive.md's whole-level ratios and per-step times of the H200 run a come from this."""
+    lines = []
+    S.diagnose(ROOT / "docs/benchmarks/adaptive_20b_x2_verified_a.json", lines.append)
+    c4 = next(line for line in lines if line.startswith("C=4 "))
+    assert "window 0.952 (K1)" in c4 and "whole level 0.968 (K1)" in c4
+    assert "K1 7.62" in c4 and "K3 8.42" in c4 and "adaptive 8.73" in c4
+    assert lines[-1].startswith("adaptive policy host time:")
+
+
 def test_sweep_replays_acceptance_on_random_weights(tmp_path):
     """The 20B code path at the tiny shape: random weights built on the device, acceptance replayed."""
     out = tmp_path / "replay"
