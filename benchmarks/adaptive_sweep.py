@@ -487,6 +487,7 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
     reqs, inflight = [], 0
     window_start = window_end = None
     tokens_in_window, tokens_total, steps = 0, 0, 0
+    executing = engine.execute_seconds
     t0 = time.perf_counter()
     while pending or engine.has_work():
         while pending and inflight < C:
@@ -508,6 +509,7 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
         if finished and window_start is None:
             window_start = now
     wall = time.perf_counter() - t0
+    host = wall - (engine.execute_seconds - executing)  # the loop's time outside the device steps
     if window_start is not None and window_end is not None and window_end > window_start and tokens_in_window:
         throughput, window = tokens_in_window / (window_end - window_start), window_end - window_start
     else:  # too few waves for a steady window: the whole run
@@ -517,7 +519,8 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
     return {"throughput_tok_s": throughput, "tpot_ms_mean": 1e3 * statistics.fmean(tpots) if tpots else None,
             "tpot_ms_p50": 1e3 * statistics.median(tpots) if tpots else None,
             "tpot_ms_p90": 1e3 * _quantile(tpots, 0.9) if tpots else None,
-            "requests": n, "output_tokens": tokens_total, "steps": steps, "wall_s": wall, "window_s": window}
+            "requests": n, "output_tokens": tokens_total, "steps": steps, "wall_s": wall, "window_s": window,
+            "host_ms_per_step": 1e3 * host / steps if steps else 0.0}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -768,8 +771,9 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
 def diagnose(path: Path, log=print) -> None:
     """Figures derived from a committed sweep JSON (docs/adaptive.md cites them): adaptive over the best fixed K
     by the whole level (output tokens over the level's wall time, not the steady window), each cell's time per
-    step (its output tokens per step over its throughput), and the adaptive policy's host time per step
-    (`choose` + `observe` on this machine, on the grid the sweep's engine profiled at 4 requests)."""
+    step (its output tokens per step over its throughput), the loop's host time per step where the sweep
+    recorded it (outside the device steps), and the adaptive policy's host time per step (`choose` + `observe`
+    on this machine, on the grid the sweep's engine profiled at 4 requests)."""
     result = json.loads(path.read_text())
     rounds = [{**c, "level_tok_s": c["output_tokens"] / c["wall_s"],
                "step_ms": 1e3 * c["output_tokens"] / c["steps"] / c["throughput_tok_s"]}
@@ -778,19 +782,23 @@ def diagnose(path: Path, log=print) -> None:
     window = {b["concurrency"]: b for b in bar_rows(cells, result["fixed"], conc)}
     for b in bar_rows(cells, result["fixed"], conc, key="level_tok_s"):
         C = b["concurrency"]
-        steps = " ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in cells if c["concurrency"] == C)
+        row = [c for c in cells if c["concurrency"] == C]
+        steps = " ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in row)
+        host = " ".join(f"{c['policy']} {1e3 * c['host_ms_per_step']:.0f}" for c in row if "host_ms_per_step" in c)
         log(f"C={C:<3} adaptive/best: window {window[C]['over_best']:.3f} ({window[C]['best_fixed']}), "
-            f"whole level {b['over_best']:.3f} ({b['best_fixed']}); ms a step: {steps}")
+            f"whole level {b['over_best']:.3f} ({b['best_fixed']}); ms a step: {steps}"
+            + (f"; host us a step: {host}" if host else ""))
     if any(c["policy"] == "adaptive" and "step_grid" in c for c in cells):
         from adaptive_sim import recorded_start_up_grid  # (it imports this module: not at the top)
 
         seconds = policy_host_seconds(recorded_start_up_grid(result))
-        log(f"adaptive policy host time: {1e6 * seconds:.1f} us a step (choose + observe + describe)")
+        log(f"adaptive policy host time: {1e6 * seconds:.1f} us a step (choose + observe, in a tight loop)")
 
 
 def policy_host_seconds(grid: dict[int, list[float]], batch: int = 4, steps: int = 2000) -> float:
-    """Mean host time of `AdaptiveDepth.choose` + `observe` + `describe` on a start-up grid (seconds per batch
-    size and k), over synthetic steps."""
+    """Mean host time of `AdaptiveDepth.choose` + `observe` on a start-up grid (seconds per batch size and k),
+    over synthetic steps: what the policy adds between two device steps (`learn` runs while one executes).
+    In a tight loop; between real engine steps the same code ran ~2-3x slower (2-core CPU)."""
     from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
     from peagle_core.spec.depth import StepInfo, StepOutcome
 
@@ -801,11 +809,14 @@ def policy_host_seconds(grid: dict[int, list[float]], batch: int = 4, steps: int
         info = StepInfo(batch, 0, K, drafts)
         t0 = time.perf_counter()
         want = policy.choose(info)
+        t1 = time.perf_counter()
+        policy.learn()
         v = min(want, drafts)
-        policy.observe(info, StepOutcome(v, [(v, min(v, rng.randrange(3))) for _ in range(batch)],
-                                         policy.times.step(batch, v), batch * (1 + v), drafted=want))
-        policy.describe()
-        total += time.perf_counter() - t0
+        outcome = StepOutcome(v, [(v, min(v, rng.randrange(3))) for _ in range(batch)], policy.times.step(batch, v),
+                              batch * (1 + v), drafted=want)
+        t2 = time.perf_counter()
+        policy.observe(info, outcome)
+        total += t1 - t0 + time.perf_counter() - t2
         drafts = want
     return total / steps
 

@@ -92,8 +92,11 @@ def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     info = StepInfo(1, 0, 1)
     p.choose(info)
     p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2, timed=False))  # a 50 ms capture
+    p.learn()  # what the engine runs while the next step is on the device
     assert p.times.rows == grid().rows and p.acceptance.reached[0] == 1
     p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2))
+    assert p.times.rows == grid().rows  # the time is learnt at the next `learn` (or `observe`)
+    p.learn()
     assert p.times.rows != grid().rows
 
     class Recorder(FixedDepth):
@@ -110,10 +113,10 @@ def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     engine.policy = Recorder(2)
     execute = runner.execute
 
-    def capturing_once(batch, draft_len=None):
+    def capturing_once(batch, draft_len=None, while_busy=None):
         runner.graphs = None  # the real step runs eagerly on a CPU
         try:
-            return execute(batch, draft_len)
+            return execute(batch, draft_len, while_busy)
         finally:
             runner.graphs = Graphs
             Graphs.num_graphs = 1
@@ -122,3 +125,31 @@ def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     runner.graphs = Graphs
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert seen[0] is False and seen[1:] and all(seen[1:])
+
+
+def test_the_engine_runs_the_policys_learning_while_the_step_is_on_the_device(tiny_pair):
+    """`DepthPolicy.learn` runs inside each step after its launches and before the step waits for the device
+    (the device-to-host copy of its results), so the adaptive policy's step-time update costs no host time
+    between steps; the output is plain greedy decoding's whatever the policy learns."""
+    from peagle_core.spec.depth import FixedDepth
+
+    events = []
+
+    class Recorder(FixedDepth):
+        def learn(self):
+            events.append("learn")
+
+    spec = {"method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 2, "parallel_drafting": True}
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec)
+    engine, runner = llm.engine, llm.engine.runner
+    engine.policy = Recorder(2)
+    to_host = runner._to_host
+    runner._to_host = lambda *a: (events.append("wait"), to_host(*a))[1]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([[1, 2, 3]], params)
+    assert events and events == ["learn", "wait"] * (len(events) // 2)
+
+    adaptive = LLM(tiny_pair["target"], device="cpu", speculative_config={**spec, "depth_policy": "adaptive"})
+    plain = LLM(tiny_pair["target"], device="cpu")
+    ids = lambda llm_: llm_.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
+    assert ids(adaptive) == ids(plain) == out[0].outputs[0].token_ids

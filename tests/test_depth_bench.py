@@ -178,6 +178,9 @@ def test_sweep_replays_acceptance_on_random_weights(tmp_path):
     assert cells["K1"]["decode_drafts_at_k"] == {"1": 1.0}  # a fixed-depth engine drafts its K every step
     assert all(ms > 0 for c in cells.values() for ms in c["decode_step_ms_at_k"].values())
     assert all(c["other_steps"] > 0 and c["other_step_ms"] > 0 for c in cells.values())  # the joins' prompt chunks
+    # the loop's time outside the device steps: some, and less than the steps themselves take
+    for c in cells.values():
+        assert 0 < c["host_ms_per_step"] < 1e3 * c["wall_s"] / c["steps"] - c["host_ms_per_step"]
     assert S.main(["sweep", "--shape", "random-tiny", "--out", str(tmp_path / "x")]) == 2  # no --replay: refused
 
 

@@ -116,6 +116,7 @@ class LLMEngine:
         self.texts: dict[str, TextState] = {}
         self.stats = SpecDecodeStats()
         self.last_k, self.num_steps = self.K, 0
+        self.execute_seconds = 0.0  # inside `runner.execute`, over all steps: the rest of a loop's time is the host's
 
     def _default_policy(self) -> DepthPolicy:
         spec = self.config.speculative_config
@@ -222,7 +223,8 @@ class LLMEngine:
         num_graphs = graphs.num_graphs if graphs is not None else 0
         t0 = time.perf_counter()
         try:
-            result = self.runner.execute(batch, draft_len=want)  # the depth the policy wants next
+            # the depth the policy wants next; the policy learns from the last step while the device runs this one
+            result = self.runner.execute(batch, draft_len=want, while_busy=self.policy.learn)
         except Exception as e:
             for s in batch:  # the failure touched exactly these requests: end them, keep the engine
                 self.scheduler.finish(s.req, "error")
@@ -232,6 +234,7 @@ class LLMEngine:
                 raise  # the ranks are out of step for good: fatal for the engine, not just this batch
             raise StepError([s.req for s in batch], e) from e
         step_time = time.perf_counter() - t0
+        self.execute_seconds += step_time
         self.last_k, self.num_steps = k, self.num_steps + 1
         now = time.monotonic()
         updates, accepted = [], []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 from dataclasses import dataclass
 from itertools import chain
+from typing import Callable
 
 import torch
 
@@ -109,8 +110,10 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
-        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify."""
+    def execute(self, batch: list[Scheduled], draft_len: int | None = None,
+                while_busy: Callable[[], None] | None = None) -> StepResult:
+        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify.
+        `while_busy` runs once everything is launched, before the step waits for the device."""
         inp = self._inputs(batch)
         meta = ForwardMeta(positions=inp.positions, query_start_loc=inp.query_start_loc, seq_lens=inp.seq_lens,
                            slot_mapping=inp.slot_mapping, block_tables=inp.block_tables)
@@ -130,6 +133,8 @@ class ModelRunner:
         drafts = None
         if self.drafter is not None:
             drafts = self._draft(key, uniform, inp.input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
+        if while_busy is not None:
+            while_busy()
         return self._to_host(batch, tokens, num_accepted, drafts)
 
     def _inputs(self, batch: list[Scheduled]) -> StepInputs:

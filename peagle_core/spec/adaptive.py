@@ -72,11 +72,16 @@ class AcceptanceEstimate:
 
     def expected_tokens(self, k: int) -> float:
         """1 + sum_{i<=k} prod_{j<=i} a_j: tokens one request emits when verifying k drafts."""
-        total, run = 1.0, 1.0
-        for a in self.rates()[:k]:
+        return self.expected_tokens_by_k()[min(k, self.K)]
+
+    def expected_tokens_by_k(self, rates: list[float] | None = None) -> list[float]:
+        """`expected_tokens(k)` for k = 0..K in one pass (the policy's host time is paid every step)."""
+        out, total, run = [1.0], 1.0, 1.0
+        for a in self.rates() if rates is None else rates:
             run *= a
             total += run
-        return total
+            out.append(total)
+        return out
 
 
 class StepTimeModel:
@@ -107,6 +112,10 @@ class StepTimeModel:
     def step(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         draft = self.draft_pass * (max(k, 1) if self.per_k_draft else 1)
         return self.target(batch * (1 + k) + prefill_tokens) + draft
+
+    def steps(self, batch: int, max_k: int, prefill_tokens: int = 0) -> list[float]:
+        """`step(batch, k)` for k = 0..max_k."""
+        return [self.step(batch, k, prefill_tokens) for k in range(max_k + 1)]
 
     def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
         """Rescale every profiled size by the measured over predicted target share of a step (the level, not
@@ -163,11 +172,20 @@ class StepGrid:
         self.shape_decay, self.learn_shape = shape_decay, learn_shape
         n = len(self.sizes)
         self.log_err = [[0.0] * (self.K + 1) for _ in range(n)]   # forgetful mean of log(measured / profiled)
-        self.evidence = [[0.0] * (self.K + 1) for _ in range(n)]  # its (decayed) weight; 0 = never observed
+        self.evidence_rows = [[0.0] * (self.K + 1) for _ in range(n)]  # its (decayed) weight; 0: never observed
         self.shape = [[0.0] * (self.K + 1) for _ in range(n)]     # log shape correction per cell (0: none)
+        self._monotone: list[list[float] | None] = [None] * n      # `monotone(r)`, until the next observation
+        self._weights_at: dict[int, list[tuple[int, float]]] = {}
 
     def _weights(self, batch: int) -> list[tuple[int, float]]:
-        """(row, weight) pairs whose weighted sum is the linear interpolation (or extrapolation) at `batch`."""
+        """(row, weight) pairs whose weighted sum is the linear interpolation (or extrapolation) at `batch`;
+        the sizes never change, so each batch's pairs are worked out once."""
+        w = self._weights_at.get(batch)
+        if w is None:
+            w = self._weights_at[batch] = self._interpolation(batch)
+        return w
+
+    def _interpolation(self, batch: int) -> list[tuple[int, float]]:
         s = self.sizes
         if len(s) == 1:
             return [(0, batch / s[0])]
@@ -180,44 +198,67 @@ class StepGrid:
         w = (batch - s[i - 1]) / (s[i] - s[i - 1])
         return [(i - 1, 1.0 - w), (i, w)]
 
-    def evidence_at(self, batch: int, k: int) -> float:
-        """How much live evidence (decayed steps) the cells behind T(batch, k) hold."""
-        return sum(w * self.evidence[r][min(k, self.K)] for r, w in self._weights(max(batch, 1)) if 0 < w <= 1)
+    def evidence(self, batch: int) -> list[float]:
+        """How much live evidence (decayed steps) the cells behind T(batch, k) hold, for k = 0..K."""
+        out = [0.0] * (self.K + 1)
+        for r, w in self._weights(max(batch, 1)):
+            if 0 < w <= 1:
+                out = [e + w * x for e, x in zip(out, self.evidence_rows[r])]
+        return out
 
     def cell(self, r: int, k: int) -> float:
         """The current estimate of row r's step time at k: level-corrected profile times shape correction."""
         return self.rows[r][k] * math.exp(self.shape[r][k])
 
     def step(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
-        k = min(k, self.K)
-        # A deeper verify never costs less than a shallower one: the running max over k keeps timing
-        # noise in the profile from making some k look cheaper than k - 1.
-        t = sum(w * max(self.cell(r, j) for j in range(k + 1)) for r, w in self._weights(max(batch, 1)))
+        return self.steps(batch, min(k, self.K), prefill_tokens)[-1]
+
+    def monotone(self, r: int) -> list[float]:
+        """Row r's cells, each the max over k' <= k: a deeper verify never costs less than a shallower one, so
+        timing noise in the profile cannot make some k look cheaper than k - 1. Kept until the next
+        observation (a choice reads every k of one or two rows each step)."""
+        row = self._monotone[r]
+        if row is None:
+            row, run = [], 0.0
+            for k in range(self.K + 1):
+                run = max(run, self.cell(r, k))
+                row.append(run)
+            self._monotone[r] = row
+        return row
+
+    def steps(self, batch: int, max_k: int, prefill_tokens: int = 0) -> list[float]:
+        """T(batch, k) for k = 0..max_k (k past K costs what K does)."""
+        out = [0.0] * (self.K + 1)
+        for r, w in self._weights(max(batch, 1)):
+            out = [t + w * c for t, c in zip(out, self.monotone(r))]
         if prefill_tokens:  # prompt tokens in the same step: the marginal cost of a verified token
             top = self.rows[-1]
-            t += prefill_tokens * max(top[-1] - top[0], 0.0) / max(self.sizes[-1] * self.K, 1)
-        return t
+            extra = prefill_tokens * max(top[-1] - top[0], 0.0) / max(self.sizes[-1] * self.K, 1)
+            out = [t + extra for t in out]
+        return out[:max_k + 1] + [out[-1]] * (max_k - self.K)
 
     def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
         if batch <= 0 or k > self.K or num_tokens > batch * (1 + k) or seconds <= 0:
             return  # a step with prompt tokens in it does not measure T(B, k)
-        weights = [(r, w) for r, w in self._weights(batch) if 0 < w <= 1]
+        interpolation = self._weights(batch)
+        weights = [(r, w) for r, w in interpolation if 0 < w <= 1]
         # One stalled step (a GC pause, a late compile) must not multiply a whole row: the linear update
         # below would scale a row by 1 + 0.2 (r - 1), 2.8x for a 10x stall. Halving or doubling is plenty
         # for a genuine level error to be pulled in within a few steps.
         ratio = min(max(seconds / self.step(batch, k), 0.5), 2.0)
-        profiled = sum(w * self.profile[r][k] for r, w in self._weights(batch))
+        profiled = sum(w * self.profile[r][k] for r, w in interpolation)
         if self.learn_shape and profiled > 0:
             self._learn_shape(weights, k, math.log(seconds / profiled))
         for r, w in weights:
             self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
+            self._monotone[r] = None  # its shape (`_learn_shape`) may have moved too
 
     def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_err: float) -> None:
         """Fold one step's log(measured / profiled) into the cells (r, k) it was interpolated from."""
         for r, w in weights:
             err = self.log_err[r]
             decay = self.shape_decay ** w  # forget per step of this row, so a cell tracks a drifting workload
-            ev = self.evidence[r] = [e * decay for e in self.evidence[r]]
+            ev = self.evidence_rows[r] = [e * decay for e in self.evidence_rows[r]]
             if ev[k] == 0 and any(ev):
                 # A first look at this cell starts from what it was predicted with (its nearest observed
                 # neighbour's error), worth `SHAPE_PRIOR` observations: one noisy step does not set it alone.
@@ -358,6 +399,8 @@ class AdaptiveDepth(DepthPolicy):
             raise ValueError(f"adaptive depth bounds must satisfy 0 <= min <= K, got {k_min}..{K}")
         self.K, self.k_min, self.times = K, k_min, times
         self.acceptance = AcceptanceEstimate(K, prior=prior)
+        self._rate_keys = [f"accept_rate_{j + 1}" for j in range(K)]
+        self.last_rates: list[float] = []
         self.last: dict[str, float] = {}
         # Exploring only pays where the step-time model learns per k (a grid); the token-count model
         # learns one level from any step, so it gets none.
@@ -367,9 +410,18 @@ class AdaptiveDepth(DepthPolicy):
         self.rng = random.Random(self.explore.seed)
         self.decisions = self.explored = 0  # decode-step choices, and how many of them explored
         self.pending: int | None = None  # a deeper alternative drafted this step, to measure (verify) in the next
+        self.untimed: tuple[int, int, float, int] | None = None  # the last step's time, until `learn`
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
+
+    def _predictions(self, info: StepInfo, K: int) -> tuple[list[float], list[float], list[float]]:
+        """Acceptance rates, tokens a request emits and step seconds for k = 0..K, each computed once a step:
+        the choice is made on the host between two device steps, so its time adds to every step (on the H200
+        sweep at 4-8 requests ~0.2 ms a step more than a fixed depth's, ~2% of the throughput)."""
+        rates = self.acceptance.rates()
+        tokens = self.acceptance.expected_tokens_by_k(rates)
+        return rates, tokens, self.times.steps(info.num_verify, K, info.num_prefill_tokens)
 
     def choose(self, info: StepInfo) -> int:
         """The depth to draft for the next step, and to verify now as far as the drafts held allow
@@ -382,12 +434,12 @@ class AdaptiveDepth(DepthPolicy):
         if info.num_verify == 0:
             return K  # nothing to verify: the choice only sets how far EAGLE-3 drafts
         verifiable = min(info.verifiable, K)
+        rates, tokens, seconds = self._predictions(info, K)
         pending, self.pending = self.pending, None
         if pending is not None and pending <= verifiable:
             k, measures = pending, True  # an alternative drafted last step (its budget spent then): measured now
         else:
-            goodput = {k: self.goodput(info.num_verify, k, info.num_prefill_tokens)
-                       for k in range(min(self.k_min, K), K + 1)}
+            goodput = {k: info.num_verify * tokens[k] / seconds[k] for k in range(min(self.k_min, K), K + 1)}
             ranked = sorted(goodput, key=lambda k: (goodput[k], -k), reverse=True)
             alt = self._alternative(ranked, info.num_verify)
             explored = alt is not None and self._explores(goodput[ranked[0]], goodput[alt])
@@ -398,12 +450,11 @@ class AdaptiveDepth(DepthPolicy):
                 self.pending = k  # deeper than the drafts held: drafted now, verified (measured) next step
         self.decisions += 1
         v = min(k, verifiable)
-        tokens = info.num_verify * self.acceptance.expected_tokens(v)
-        seconds = self.times.step(info.num_verify, v, info.num_prefill_tokens)
-        self.last = {"k": v, "asked": k, "batch": info.num_verify, "predicted_tokens_per_step": tokens,
-                     "predicted_step_s": seconds, "predicted_tokens_per_s": tokens / seconds,
-                     "explored": float(measures),
-                     **{f"accept_rate_{j + 1}": a for j, a in enumerate(self.acceptance.rates())}}
+        predicted = info.num_verify * tokens[v]
+        self.last = {"k": v, "asked": k, "batch": info.num_verify, "predicted_tokens_per_step": predicted,
+                     "predicted_step_s": seconds[v], "predicted_tokens_per_s": predicted / seconds[v],
+                     "explored": float(measures)}
+        self.last_rates = rates  # named in `describe` (metrics are polled; choices are made every step)
         return k
 
     def _alternative(self, ranked: list[int], batch: int) -> int | None:
@@ -412,7 +463,8 @@ class AdaptiveDepth(DepthPolicy):
         (the other side of the favourite)."""
         if self.explore.cap <= 0:
             return None
-        return next((k for k in ranked[1:] if self.times.evidence_at(batch, k) < self.explore.fresh), None)
+        evidence = self.times.evidence(batch)
+        return next((k for k in ranked[1:] if evidence[min(k, self.times.K)] < self.explore.fresh), None)
 
     def _explores(self, best: float, alternative: float) -> bool:
         """Whether this step runs the alternative: by chance (`near` if its predicted goodput is within
@@ -424,15 +476,27 @@ class AdaptiveDepth(DepthPolicy):
         return draw < (e.near if alternative >= (1.0 - e.margin) * best else e.far)
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
+        """Count the step and its acceptance now; its time teaches the step-time model at the next `learn` (or
+        observe), i.e. while the device runs the next step. That update was ~half of the policy's host time
+        per step (on a 2-core CPU between engine steps: ~55 of ~130 us); the model it moves changes over tens
+        of steps, so a choice one step behind on it loses nothing. The acceptance estimate is not deferred:
+        at a level's start one more step chosen without the first steps' evidence doubles a wrong early
+        signal (tests/test_depth_policies.py: k = 1 for 17 more steps)."""
+        self.learn()
         realized = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
                                self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
         if not info.num_verify:
             return  # a prefill-only step: nothing could be judged (no sign a position went unjudged) or timed
         self.acceptance.observe(outcome.accepted)
         if outcome.timed:  # k = 0 steps too: they are how the model learns what not speculating costs
-            self.times.observe(outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
+            self.untimed = (outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
         self.last["realized_tokens_per_step"] = realized
         self.last["measured_step_s"] = outcome.step_time
 
+    def learn(self) -> None:
+        if self.untimed is not None:
+            timing, self.untimed = self.untimed, None
+            self.times.observe(*timing)
+
     def describe(self) -> dict[str, float]:
-        return {**self.tally.as_dict(), **self.last}
+        return {**self.tally.as_dict(), **self.last, **dict(zip(self._rate_keys, self.last_rates))}

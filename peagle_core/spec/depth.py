@@ -2,7 +2,7 @@
 
 The engine asks `choose(info)` once per step (one k for the whole batch, so verify shapes stay
 graph-friendly) and reports back with `observe(...)` after the step, so a policy can learn
-acceptance rates and step times online. The step drafts k for the next one and verifies what the previous
+acceptance rates and step times online; `learn()` runs while the device executes the next step. The step drafts k for the next one and verifies what the previous
 step drafted, at most k: `StepOutcome.k` is the depth it verified.
 """
 from __future__ import annotations
@@ -122,6 +122,10 @@ class DepthPolicy:
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
         self.record(info, outcome)
+
+    def learn(self) -> None:
+        """Work a policy may leave until the device is busy: the engine calls this while the next step runs
+        (after its launches, before it waits for the results), so it costs the step no host time."""
 
     def describe(self) -> dict[str, float]:
         """Inputs behind the last choice and the cumulative tally, exported as metrics."""
