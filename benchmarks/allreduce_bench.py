@@ -10,6 +10,11 @@ way) and the graph is replayed: median over replays, timed with CUDA events on r
 `parallel_bench` summary.json) the report gives each batch size's all-reduce share of the TP=N decode step with
 CUDA graphs. An estimate, not a profile of the step: here the all-reduces run back to back, with no compute
 between them and the ranks always in step.
+
+`--symm-mem` (GPUs) times PyTorch's symmetric-memory one-shot all-reduce beside NCCL in the same graph shape:
+each all-reduce copies [batch, hidden] into a symmetric buffer, then every rank reads its peers' buffers over
+NVLink and sums (no multicast: the lent machines keep it off). A probe of the faster path for small
+messages, not what the engine uses; its failure is recorded, not raised.
 """
 from __future__ import annotations
 
@@ -48,9 +53,14 @@ def time_step(pg, x: torch.Tensor, count: int, warmup: int, iters: int) -> list[
         for _ in range(count):
             pg.allreduce([x]).wait()
 
+    return time_calls(step, x.device, warmup, iters)
+
+
+def time_calls(step, device: torch.device, warmup: int, iters: int) -> list[float]:
+    """ms per call of `step`, `iters` times (captured in a CUDA graph and replayed on GPUs)."""
     for _ in range(warmup):
         step()
-    if x.device.type != "cuda":
+    if device.type != "cuda":
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -83,14 +93,43 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     cfg = target_config(args.shape)
     count = 2 * cfg.num_hidden_layers
     rows = []
+    p2p = cuda and world > 1 and torch.cuda.can_device_access_peer(0, 1)
     for batch in args.batch_sizes:
         x = torch.zeros(batch, cfg.hidden_size, dtype=DTYPES[args.dtype], device=device)  # zeros: sums stay finite
         times = time_step(pg, x, count, args.warmup, args.iters)
         ms = statistics.median(times)
         rows.append({"batch": batch, "all_reduces": count, "bytes_each": x.numel() * x.element_size(),
-                     "ms_per_step": ms, "us_per_all_reduce": 1e3 * ms / count})
+                     "ms_per_step": ms, "us_per_all_reduce": 1e3 * ms / count, "peer_access": p2p})
+    if cuda and args.symm_mem:
+        symm_mem_rows(rows, store, rank, world, device, args)
     if rank == 0:
         queue.put(rows)
+
+
+def symm_mem_rows(rows: list[dict], store, rank: int, world: int, device: torch.device, args) -> None:
+    """Add each row's time with PyTorch's symmetric-memory one-shot all-reduce (copy in, one-shot out)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        dist.init_process_group("nccl", store=dist.PrefixStore("symm", store), rank=rank, world_size=world,
+                                device_id=device)
+        name = dist.group.WORLD.group_name
+        count = rows[0]["all_reduces"]
+        for r in rows:
+            x = torch.zeros(r["bytes_each"] // DTYPES[args.dtype].itemsize, dtype=DTYPES[args.dtype], device=device)
+            buf = symm_mem.empty(x.numel(), dtype=x.dtype, device=device)
+            symm_mem.rendezvous(buf, name)
+
+            def step() -> None:
+                for _ in range(count):
+                    buf.copy_(x)
+                    x.copy_(torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name))
+
+            ms = statistics.median(time_calls(step, device, args.warmup, args.iters))
+            r.update(symm_mem_ms_per_step=ms, symm_mem_us_per_all_reduce=1e3 * ms / count)
+    except Exception as e:  # a probe: the reason goes in the report
+        for r in rows:
+            r["symm_mem_error"] = f"{type(e).__name__}: {e}"[:300]
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -133,6 +172,15 @@ def to_markdown(result: dict) -> str:
         if shares:
             line += (f" {r['step_ms']:.2f} | {r['share_of_step']:.0%} |" if "share_of_step" in r else " - | - |")
         lines.append(line)
+    if rows[0].get("peer_access") is not None and result["device"] == "cuda":
+        lines += ["", f"GPU 0 can access GPU 1's memory directly (CUDA peer access): {rows[0]['peer_access']}."]
+    if any("symm_mem_us_per_all_reduce" in r for r in rows):
+        lines += ["", "PyTorch symmetric-memory one-shot all-reduce (copy into the symmetric buffer, then one-shot), "
+                      "the same shape:", "", "| batch | ms a step | us each | against NCCL |", "|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['symm_mem_ms_per_step']:.3f} | {r['symm_mem_us_per_all_reduce']:.1f} | "
+                  f"{r['symm_mem_ms_per_step'] / r['ms_per_step']:.2f}x |" for r in rows]
+    elif any("symm_mem_error" in r for r in rows):
+        lines += ["", f"Symmetric-memory one-shot all-reduce: not run ({rows[0]['symm_mem_error']})."]
     return "\n".join(lines) + "\n"
 
 
@@ -147,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--step-times", help="a parallel_bench summary.json: report the share of its TP=N step")
+    p.add_argument("--symm-mem", action="store_true", help="GPUs: also time the symmetric-memory one-shot path")
     p.add_argument("--out", default="docs/benchmarks/tp")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
 #   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
 #   bash benchmarks/gpu_run.sh tp-allreduce  # two H200s: a TP=2 step's all-reduces alone, and their share of it
+#   bash benchmarks/gpu_run.sh tp-paths  # two H200s: NCCL's transport between the GPUs; symmetric-memory one-shot
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
 #   bash benchmarks/gpu_run.sh train-speed     # one H200: head-training step times, eager and compiled (carry it too)
@@ -117,6 +118,15 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/allreduce_bench.py --shape 20b --tp 2 --device cuda --batch-sizes 1,8,32 \
       --step-times "${TP_STEPS:-docs/benchmarks/tp/graphs_20b.json}" --out "$OUT/tp" 2>&1 | tail -n 8
     ;;
+  tp-paths)  # two H200s: how NCCL connects the GPUs (its INFO log's transport lines) and the symmetric-memory
+             # one-shot all-reduce beside NCCL's, at the 20B shape's all-reduce sizes
+    mkdir -p "$OUT/tp_paths"
+    NCCL_DEBUG=INFO timeout "${PATHS_TIMEOUT:-150}" python3 benchmarks/allreduce_bench.py --shape 20b --tp 2 --device cuda \
+      --batch-sizes 1,8,32 --symm-mem --out "$OUT/tp_paths" > /tmp/tp_paths.log 2>&1
+    grep -E " via |NCCL version|P2P" /tmp/tp_paths.log | sed 's/^[^ ]* //' | sort | uniq -c | head -n 30 \
+      > "$OUT/tp_paths/nccl_transport.txt"
+    tail -n 16 /tmp/tp_paths.log
+    ;;
   adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance)
     timeout "${SWEEP_TIMEOUT:-560}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
       --prompts heldout --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" --min-requests "${MIN_REQUESTS:-8}" \
@@ -177,5 +187,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|pair-heads|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac
