@@ -410,7 +410,7 @@ class AdaptiveDepth(DepthPolicy):
         self.rng = random.Random(self.explore.seed)
         self.decisions = self.explored = 0  # decode-step choices, and how many of them explored
         self.pending: int | None = None  # a deeper alternative drafted this step, to measure (verify) in the next
-        self.untimed: tuple[int, int, float, int] | None = None  # the last step's time, until `learn`
+        self.unlearnt_time: tuple[int, int, float, int] | None = None  # the last step's time, until `learn`
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
@@ -481,7 +481,8 @@ class AdaptiveDepth(DepthPolicy):
         per step (on a 2-core CPU between engine steps: ~55 of ~130 us); the model it moves changes over tens
         of steps, so a choice one step behind on it loses nothing. The acceptance estimate is not deferred:
         at a level's start one more step chosen without the first steps' evidence doubles a wrong early
-        signal (tests/test_depth_policies.py: k = 1 for 17 more steps)."""
+        signal (deferred too, the start-up case of tests/test_depth_policies.py held k = 1 17 steps longer
+        and failed)."""
         self.learn()
         realized = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
                                self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
@@ -489,13 +490,13 @@ class AdaptiveDepth(DepthPolicy):
             return  # a prefill-only step: nothing could be judged (no sign a position went unjudged) or timed
         self.acceptance.observe(outcome.accepted)
         if outcome.timed:  # k = 0 steps too: they are how the model learns what not speculating costs
-            self.untimed = (outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
+            self.unlearnt_time = (outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
         self.last["realized_tokens_per_step"] = realized
         self.last["measured_step_s"] = outcome.step_time
 
     def learn(self) -> None:
-        if self.untimed is not None:
-            timing, self.untimed = self.untimed, None
+        if self.unlearnt_time is not None:
+            timing, self.unlearnt_time = self.unlearnt_time, None
             self.times.observe(*timing)
 
     def describe(self) -> dict[str, float]:
