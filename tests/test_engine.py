@@ -159,3 +159,23 @@ def test_host_slots_equal_the_device_rule(start, end):
     p = torch.arange(start, end)
     want = ModelRunner.slots(runner, p, torch.zeros_like(p), torch.tensor([table]))
     assert host_slots(table, start, end, 16, 64) == want.tolist()
+
+
+def test_streamed_text_and_counts_follow_the_output_as_it_grows():
+    """The engine's per-step text deltas (only the new ids are detokenized each step) join to the decode of the
+    whole output, and `num_output` (read every step, without copying the output) counts it, step by step,
+    with several tokens a step from speculation."""
+    llm = LLM(model="tiny", device="cpu", dtype="float32", max_model_len=256, max_num_seqs=2,
+              speculative_config={"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": 3,
+                                  "parallel_drafting": True})
+    engine = llm.engine
+    reqs = [engine.add_request(f"s{i}", p, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+            for i, p in enumerate(["def fibonacci(n):", "Once upon a time"])]
+    texts = {r.request_id: "" for r in reqs}
+    while engine.has_work():
+        for u in engine.step():
+            texts[u.req.request_id] += u.new_text
+            assert u.req.num_output == len(u.req.output_ids) == len(u.req.token_ids) - len(u.req.prompt_token_ids)
+    for r in reqs:
+        assert r.num_output == 60 and texts[r.request_id] == engine.tokenizer.decode(r.output_ids)
+        assert r.stats.acceptance_length > 1  # several tokens a step did happen

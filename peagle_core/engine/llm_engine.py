@@ -273,7 +273,7 @@ class LLMEngine:
             new.append(t)
             if t in req.params.stop_token_ids or (t in self.stop_ids and not req.params.ignore_eos):
                 self.scheduler.finish(req, "stop")
-            elif len(req.output_ids) >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len:
+            elif req.num_output >= req.params.max_tokens or len(req.token_ids) >= self.max_model_len:
                 self.scheduler.finish(req, "length")
             if req.finished:
                 break

@@ -17,9 +17,9 @@ class TextState:
         """Returns (new text to emit, whether a stop string ended the request)."""
         if self.detok is None:
             return "", False
-        ids = req.output_ids
-        text = self.detok.push(ids[self.num_ids:])
-        self.num_ids = len(ids)
+        start = req.num_prompt + self.num_ids  # only the new ids: copying the whole output every step is O(n^2)
+        text = self.detok.push(req.token_ids[start:])
+        self.num_ids = req.num_output
         if req.finished:
             text += self.detok.flush()
         delta = self.filter.push(text, final=req.finished)

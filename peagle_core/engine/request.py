@@ -49,6 +49,11 @@ class Request:
         return self.token_ids[self.num_prompt:]
 
     @property
+    def num_output(self) -> int:
+        """len(output_ids) without copying them: the engine asks every step, and outputs run to thousands."""
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def num_uncomputed(self) -> int:
         """Tokens known but not yet in the cache: the prompt (or a chunk of it), or the last sampled token."""
         return len(self.token_ids) - self.num_computed

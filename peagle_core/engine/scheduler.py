@@ -89,7 +89,7 @@ class Scheduler:
         drafts = 0
         if num_new == req.num_uncomputed and req.drafts:
             room = self.max_model_len - len(req.token_ids)  # verified positions must stay inside the model
-            left = (req.params.max_tokens or self.max_model_len) - len(req.output_ids) - 1
+            left = (req.params.max_tokens or self.max_model_len) - req.num_output - 1
             drafts = max(0, min(k, len(req.drafts), room, left, budget - num_new))
         return Scheduled(req, num_new, drafts)
 
