@@ -237,8 +237,8 @@ def test_stop_ids_from_config_variants(tmp_path, tok):
 # ---------------------------------------------------------------------------------------------
 
 
-def _stream(tok, ids, rng, skip=True):
-    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+def _stream(tok, ids, rng, skip=True, bytewise=True):
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip, bytewise=bytewise)
     deltas, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 4)
@@ -248,36 +248,52 @@ def _stream(tok, ids, rng, skip=True):
     return deltas
 
 
-def test_incremental_matches_decode_on_random_ids(tok):
+@pytest.mark.parametrize("bytewise", [True, False])
+def test_incremental_matches_decode_on_random_ids(tok, bytewise):
+    """Random ids, special and partial-character ones included: the deltas join to `decode`, both ways of
+    streaming (bytes through an incremental UTF-8 decoder, or windows decoded by the tokenizer)."""
+    assert tok.token_bytes(True) is not None and tok.token_bytes(False) is not None  # a ByteLevel decoder
     rng = random.Random(0)
     for trial in range(300):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 40))]
         skip = trial % 2 == 0
-        assert "".join(_stream(tok, ids, rng, skip)) == tok.decode(ids, skip_special_tokens=skip)
+        assert "".join(_stream(tok, ids, rng, skip, bytewise)) == tok.decode(ids, skip_special_tokens=skip)
+    with pytest.raises(ValueError, match="out of range"):
+        IncrementalDetokenizer(tok, bytewise=bytewise).push([tok.vocab_size])
 
 
-def test_incremental_multibyte_text_never_shows_replacement_char(tok):
+def test_byte_table_equals_decoding_each_id_alone(tok):
+    for skip in (True, False):
+        table = tok.token_bytes(skip)
+        assert len(table) == tok.vocab_size
+        assert [b.decode("utf-8", "replace") for b in table] == [tok.decode([i], skip) for i in range(tok.vocab_size)]
+
+
+@pytest.mark.parametrize("bytewise", [True, False])
+def test_incremental_multibyte_text_never_shows_replacement_char(tok, bytewise):
     rng = random.Random(1)
     texts = ["naïve café 数学 😀🙂 👩‍👩‍👧 Ελληνικά русский عربي", "🙂" * 7, "a数b学c" * 5]
     for text in texts:
         ids = tok.encode(text)
         for _ in range(20):
-            deltas = _stream(tok, ids, rng)
+            deltas = _stream(tok, ids, rng, bytewise=bytewise)
             assert "".join(deltas) == text
             assert not any("\ufffd" in d for d in deltas)
     # One token at a time: an emoji split over byte-level tokens is held back until complete.
     ids = tok.encode("🙂")
     assert len(ids) > 1  # the tiny vocabulary has no single token for it
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, bytewise=bytewise)
     assert [detok.push([i]) for i in ids] == [""] * (len(ids) - 1) + ["🙂"]
     assert detok.flush() == "" and detok.text == "🙂"
 
 
-def test_flush_releases_incomplete_bytes_like_decode(tok):
+@pytest.mark.parametrize("bytewise", [True, False])
+def test_flush_releases_incomplete_bytes_like_decode(tok, bytewise):
     ids = tok.encode("ok🙂")[:-1]  # cut inside the emoji
-    detok = IncrementalDetokenizer(tok)
-    assert detok.push(ids) == ""  # held back: the text ends inside a character
-    assert detok.flush() == tok.decode(ids) and tok.decode(ids).endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok, bytewise=bytewise)
+    # held back: the incomplete character (bytewise streams "ok" at once, the windowed decode holds it too)
+    assert detok.push(ids) == ("ok" if bytewise else "")
+    assert detok.text + detok.flush() == tok.decode(ids) and tok.decode(ids).endswith("\ufffd")
 
 
 def test_incremental_keeps_context_for_space_stripping_decoders():

@@ -61,7 +61,10 @@ def load_tokenizer(path: Path):
         return None
     from peagle_core.loading.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(path)
+    tokenizer = Tokenizer.from_dir(path)
+    for skip in (True, False):  # the stream decoders' byte tables (texts; harmony), now rather than in a request
+        tokenizer.token_bytes(skip)
+    return tokenizer
 
 
 class LLMEngine:
