@@ -179,3 +179,15 @@ def test_streamed_text_and_counts_follow_the_output_as_it_grows():
     for r in reqs:
         assert r.num_output == 60 and texts[r.request_id] == engine.tokenizer.decode(r.output_ids)
         assert r.stats.acceptance_length > 1  # several tokens a step did happen
+
+
+def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import host_time
+
+    r = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256)
+    assert r["steps"] >= 12 // 4 and r["policy"] == "adaptive"  # at most K + 1 tokens a step
+    assert 0 < r["host_us_per_step"] < 1e6 and r["first_quarter_us"] > 0 and r["last_quarter_us"] > 0
