@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import Tokenizer as HFTokenizer, decoders
 
 # --------------------------------------------------------------------------------------------
 # Harmony format (gpt-oss). Layout of one message: <|start|>{header}<|message|>{content}<|end|>
@@ -278,7 +278,7 @@ class Tokenizer:
         return self._token_bytes[skip]
 
     def _byte_table(self, skip: bool) -> list[bytes] | None:
-        if (json.loads(self._tok.to_str()).get("decoder") or {}).get("type") != "ByteLevel":
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
             return None
         special = set(self._special_ids.values())
         table = []
