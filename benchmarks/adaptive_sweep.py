@@ -776,7 +776,8 @@ def diagnose(path: Path, log=print) -> None:
     on this machine, on the grid the sweep's engine profiled at 4 requests)."""
     result = json.loads(path.read_text())
     rounds = [{**c, "level_tok_s": c["output_tokens"] / c["wall_s"],
-               "step_ms": 1e3 * c["output_tokens"] / c["steps"] / c["throughput_tok_s"]}
+               "step_ms": 1e3 * c["output_tokens"] / c["steps"] / c["throughput_tok_s"],
+               "host_ms_per_step": c.get("host_ms_per_step", estimated_host_ms(c))}
               for c in result["cells_by_round"] if c.get("status") == "ok"]
     cells, conc = combine_rounds(rounds), result["concurrency"]
     window = {b["concurrency"]: b for b in bar_rows(cells, result["fixed"], conc)}
@@ -784,7 +785,8 @@ def diagnose(path: Path, log=print) -> None:
         C = b["concurrency"]
         row = [c for c in cells if c["concurrency"] == C]
         steps = " ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in row)
-        host = " ".join(f"{c['policy']} {1e3 * c['host_ms_per_step']:.0f}" for c in row if "host_ms_per_step" in c)
+        host = " ".join(f"{c['policy']} {1e3 * c['host_ms_per_step']:.0f}" for c in row
+                        if c.get("host_ms_per_step") is not None)
         log(f"C={C:<3} adaptive/best: window {window[C]['over_best']:.3f} ({window[C]['best_fixed']}), "
             f"whole level {b['over_best']:.3f} ({b['best_fixed']}); ms a step: {steps}"
             + (f"; host us a step: {host}" if host else ""))
@@ -795,10 +797,23 @@ def diagnose(path: Path, log=print) -> None:
         log(f"adaptive policy host time: {1e6 * seconds:.1f} us a step (choose + observe, in a tight loop)")
 
 
+def estimated_host_ms(cell: dict[str, Any]) -> float | None:
+    """A round's host ms a step for sweeps before `host_ms_per_step` was recorded: its wall time less its device
+    steps, these rebuilt from the per-k fields (decode steps split by `k_share`, which also counts the steps with
+    a prompt chunk, so an estimate). None without those fields."""
+    ms, share = cell.get("decode_step_ms_at_k"), cell.get("k_share", {})
+    if not ms or "other_steps" not in cell:
+        return None
+    decode = cell["steps"] - cell["other_steps"]
+    mean = sum(share.get(k, 0.0) * t for k, t in ms.items()) / max(sum(share.get(k, 0.0) for k in ms), 1e-12)
+    device_ms = decode * mean + cell["other_steps"] * cell["other_step_ms"]
+    return (1e3 * cell["wall_s"] - device_ms) / cell["steps"]
+
+
 def policy_host_seconds(grid: dict[int, list[float]], batch: int = 4, steps: int = 2000) -> float:
     """Mean host time of `AdaptiveDepth.choose` + `observe` on a start-up grid (seconds per batch size and k),
     over synthetic steps: what the policy adds between two device steps (`learn` runs while one executes).
-    In a tight loop; between real engine steps the same code ran ~2-3x slower (2-core CPU)."""
+    In a tight loop; between real engine steps it runs ~4x slower (2-core CPU: host_time.py's policy_us_per_step)."""
     from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
     from peagle_core.spec.depth import StepInfo, StepOutcome
 

@@ -6,11 +6,15 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
 
 On the shipped tiny pair on a CPU the device step is slow, but the host work around it is the same Python as on
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
-quarter of the steps (a cost that grows with the output's length shows in the last quarter).
+quarter of the steps (a cost that grows with the output's length shows in the last quarter), and the parts of
+it timed by wrapping them: the depth policy's `choose` + `observe`, the scheduler, appending tokens, the text
+updates (detokenizing). It only wraps methods, so the script also runs on older commits (copy it into a
+checkout's `benchmarks/` and run it there) for before/after figures.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -23,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peagle_core import SamplingParams  # noqa: E402
 from peagle_core.config import parse_engine_config  # noqa: E402
 from peagle_core.engine.llm_engine import LLMEngine  # noqa: E402
+from peagle_core.engine.output import TextState  # noqa: E402
 
 
 def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int) -> dict:
@@ -34,16 +39,45 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(requests):
         engine.add_request(f"r{i}", f"def f{i}(n):", params)
+    parts: dict[str, float] = {}
+    wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "policy"),
+               (engine.policy, "observe", "policy"), (engine.scheduler, "schedule", "schedule"),
+               (engine, "_append", "append"), (TextState, "update", "text")]
+    originals = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in wrapped]
+    for obj, name, part in wrapped:
+        timed(obj, name, part, parts)
     host = []
-    while engine.has_work():
-        executing, t0 = engine.execute_seconds, time.perf_counter()
-        engine.step()
-        host.append(time.perf_counter() - t0 - (engine.execute_seconds - executing))
+    try:
+        while engine.has_work():
+            executing, t0 = parts.get("execute", 0.0), time.perf_counter()
+            engine.step()
+            host.append(time.perf_counter() - t0 - (parts["execute"] - executing))
+    finally:  # unwrap (the class's method too: it outlives this engine)
+        for obj, name, original in originals:
+            if original is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, original)
     q = max(len(host) // 4, 1)
     us = lambda xs: round(1e6 * sum(xs) / len(xs), 1)
     return {"requests": requests, "max_tokens": max_tokens, "policy": policy, "k": k, "steps": len(host),
             "host_us_per_step": us(host), "first_quarter_us": us(host[:q]), "last_quarter_us": us(host[-q:]),
+            **{f"{part}_us_per_step": round(1e6 * t / len(host), 1) for part, t in parts.items() if part != "execute"},
             "torch": torch.__version__}
+
+
+def timed(obj, name: str, part: str, parts: dict[str, float]) -> None:
+    """Wrap obj.name (an instance's or a class's method) so that its time adds to parts[part]."""
+    method = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            parts[part] = parts.get(part, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, name, functools.wraps(method)(wrapper))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,6 +159,16 @@ def test_diagnose_reproduces_the_figures_docs_cite_from_a_committed_sweep():
     assert "window 0.952 (K1)" in c4 and "whole level 0.968 (K1)" in c4
     assert "K1 7.62" in c4 and "K3 8.42" in c4 and "adaptive 8.73" in c4
     assert lines[-1].startswith("adaptive policy host time:")
+    assert "host us a step" not in c4  # this sweep predates the per-k fields the host time is estimated from
+    # The run before the policy's host time was cut: host time estimated from its per-k fields; the runs after
+    # it recorded the host time itself.
+    lines = []
+    S.diagnose(ROOT / "docs/benchmarks/adaptive_20b_x2_levels32.json", lines.append)
+    c4 = next(line for line in lines if line.startswith("C=4 "))
+    assert "host us a step: K1 191 K3 251 K5 249 K7 256 adaptive 427" in c4
+    lines = []
+    S.diagnose(ROOT / "docs/benchmarks/adaptive_20b_x2_host_a.json", lines.append)
+    assert "adaptive 202" in next(line for line in lines if line.startswith("C=4 "))
 
 
 def test_sweep_replays_acceptance_on_random_weights(tmp_path):

@@ -191,3 +191,8 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     r = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256)
     assert r["steps"] >= 12 // 4 and r["policy"] == "adaptive"  # at most K + 1 tokens a step
     assert 0 < r["host_us_per_step"] < 1e6 and r["first_quarter_us"] > 0 and r["last_quarter_us"] > 0
+    parts = [r[f"{p}_us_per_step"] for p in ("policy", "schedule", "append", "text")]
+    assert all(t > 0 for t in parts) and sum(parts) < r["host_us_per_step"]  # parts of the host time
+    from peagle_core.engine.output import TextState
+
+    assert not hasattr(TextState.update, "__wrapped__")  # the class's method is unwrapped again

@@ -51,7 +51,7 @@ class Request:
     @property
     def num_output(self) -> int:
         """len(output_ids) without copying them: the engine asks every step, and outputs run to thousands."""
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt
 
     @property
     def num_uncomputed(self) -> int:

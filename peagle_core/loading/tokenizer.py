@@ -340,7 +340,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, bytewise: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = []  # the windowed decode's (bytewise, the decoder holds what it needs)
         self._prefix = 0
         self._read = 0
         self.text = ""  # everything emitted so far
@@ -366,7 +366,6 @@ class IncrementalDetokenizer:
     def _push_bytes(self, new_ids: list[int]) -> str:
         if new_ids and (min(new_ids) < 0 or max(new_ids) >= len(self._bytes)):
             self.tokenizer.decode(new_ids)  # raises decode's error for ids out of range
-        self.ids.extend(new_ids)
         delta = self._utf8.decode(b"".join([self._bytes[i] for i in new_ids]))
         self.text += delta
         return delta

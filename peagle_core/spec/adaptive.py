@@ -417,8 +417,8 @@ class AdaptiveDepth(DepthPolicy):
 
     def _predictions(self, info: StepInfo, K: int) -> tuple[list[float], list[float], list[float]]:
         """Acceptance rates, tokens a request emits and step seconds for k = 0..K, each computed once a step:
-        the choice is made on the host between two device steps, so its time adds to every step (on the H200
-        sweep at 4-8 requests ~0.2 ms a step more than a fixed depth's, ~2% of the throughput)."""
+        the choice is made on the host between two device steps, so its time adds to every step (docs/adaptive.md,
+        "Host time")."""
         rates = self.acceptance.rates()
         tokens = self.acceptance.expected_tokens_by_k(rates)
         return rates, tokens, self.times.steps(info.num_verify, K, info.num_prefill_tokens)
@@ -477,9 +477,9 @@ class AdaptiveDepth(DepthPolicy):
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
         """Count the step and its acceptance now; its time teaches the step-time model at the next `learn` (or
-        observe), i.e. while the device runs the next step. That update was ~half of the policy's host time
-        per step (on a 2-core CPU between engine steps: ~55 of ~130 us); the model it moves changes over tens
-        of steps, so a choice one step behind on it loses nothing. The acceptance estimate is not deferred:
+        observe), i.e. while the device runs the next step: it was the larger part of the policy's host time
+        per step (benchmarks/host_time.py), and the model it moves changes over tens of steps, so a choice one
+        step behind on it loses nothing. The acceptance estimate is not deferred:
         at a level's start one more step chosen without the first steps' evidence doubles a wrong early
         signal (deferred too, the start-up case of tests/test_depth_policies.py held k = 1 17 steps longer
         and failed)."""
