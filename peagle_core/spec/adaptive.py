@@ -50,15 +50,22 @@ class AcceptanceEstimate:
 
     def observe(self, verified: list[tuple[int, int]]) -> None:
         # Positions 0..judged-1 were judged by at least one request (a request judges a prefix of positions).
-        judged = max((min(d, a + 1) for d, a in verified), default=0)
-        for j in range(self.K):  # forget: without new evidence a position returns to its neighbour's rate
-            decay = self.decay if j < judged else self.unjudged_decay
-            self.reached[j] *= decay
-            self.accepted[j] *= decay
+        # Counted per request as histograms, then summed from the deep end: a request judging positions
+        # 0..m-1 adds one to reached[j] for every j < m (a plain loop per request: it runs every step).
+        K = self.K
+        judged_to, passed_to = [0] * (K + 1), [0] * (K + 1)
         for num_draft, num_acc in verified:
-            for j in range(min(num_draft, num_acc + 1)):  # position j was judged iff all before it passed
-                self.reached[j] += 1
-                self.accepted[j] += j < num_acc
+            m = min(num_draft, num_acc + 1, K)  # position j was judged iff all before it passed
+            judged_to[m] += 1
+            passed_to[min(num_acc, m)] += 1
+        judged = passed = 0
+        for j in range(K - 1, -1, -1):
+            judged += judged_to[j + 1]
+            passed += passed_to[j + 1]
+            # forget: without new evidence a position returns to its neighbour's rate
+            decay = self.decay if judged else self.unjudged_decay
+            self.reached[j] = self.reached[j] * decay + judged
+            self.accepted[j] = self.accepted[j] * decay + passed
 
     def rates(self) -> list[float]:
         """a_j = (passed_j + w a_{j-1}) / (judged_j + w), a_0 = prior: `prior_weight` pseudo-observations at
@@ -252,6 +259,7 @@ class StepGrid:
         for r, w in weights:
             self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
             self._monotone[r] = None  # its shape (`_learn_shape`) may have moved too
+            self.monotone(r)  # now, while the device runs a step (`AdaptiveDepth.learn`), not in the next choice
 
     def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_err: float) -> None:
         """Fold one step's log(measured / profiled) into the cells (r, k) it was interpolated from."""

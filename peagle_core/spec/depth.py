@@ -74,10 +74,16 @@ class DepthTally:
         _bump(self.steps_at_k, k)
         # The engine lists only requests that verified drafts; the others (k = 0, or drafts capped by
         # max_tokens) emitted exactly one token each.
-        per_request = [a + 1 for _, a in outcome.accepted] + [1] * max(0, info.num_verify - len(outcome.accepted))
-        for n in per_request:
-            _bump(self.tokens_per_verify, n)
-        realized = sum(per_request)
+        counts = self.tokens_per_verify
+        if len(counts) < k + 2:
+            counts.extend([0] * (k + 2 - len(counts)))
+        realized = 0
+        for _, a in outcome.accepted:  # a plain loop: it runs per request on every step (host time)
+            counts[a + 1] += 1
+            realized += a + 1
+        ones = max(0, info.num_verify - len(outcome.accepted))
+        counts[1] += ones
+        realized += ones
         self.realized_tokens += realized
         self.step_seconds += outcome.step_time
         if outcome.timed and outcome.num_tokens <= info.num_verify * (1 + k):
