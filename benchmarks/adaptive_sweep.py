@@ -650,6 +650,9 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         a.warmup_steps = 16 if device.type == "cuda" else 0
     fixed = fixed_ks(a.policies) or list(FIXED_DEFAULT)
     max_k = max(fixed)
+    other = [p for p in a.policies if fixed_policy(p) is None and p not in ("adaptive", "adaptive_level")]
+    if a.shared_engine and other:
+        raise ValueError(f"--shared-engine runs K<k> and adaptive policies, not {', '.join(other)}")
     trace = Trace.load(a.replay) if a.replay else None
     models = build_models(a.shape, a.mode, device, getattr(torch, dtype_name), a.seed, a.pair)
     max_len = a.prompt_len + 2 * a.max_tokens + 2 * max_k + 64 if a.prompts == "random" else 2048
@@ -691,6 +694,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         log(f"[sweep] prewarm ({a.prewarm_policy}) done in {time.perf_counter() - t0:.1f}s (not measured)")
         started = time.perf_counter()
     table = batch_table
+    shared = None  # --shared-engine: (round, engine, replay, its adaptive policy as built)
     for rnd, policy in ((r, p) for r in range(a.rounds) for p in order):
         todo = [C for C in a.concurrency if (policy, C, rnd) not in done]
         if not todo:
@@ -706,8 +710,22 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
             log(f"[sweep] {policy}: {e}")
             continue
         t_build = time.perf_counter()
-        engine, replay = open_engine(spec)
-        if (f := fixed_policy(policy)) is not None and f[1] is not None:
+        f = fixed_policy(policy)
+        if a.shared_engine:
+            # One depth-K engine a round, every policy swapped into it: on a host-bound engine (the tiny pair
+            # on a GPU) one build's host speed differed from the next's by up to 1.5x (host_noise.py), more
+            # than the policies differ, so each round's policies share one build.
+            if shared is None or shared[0] != rnd:
+                shared = None
+                release()
+                engine, replay = open_engine(policy_spec("adaptive", models, max_k, None))
+                shared = (rnd, engine, replay, copy.deepcopy(engine.policy))
+            _, engine, replay, built = shared
+            spec = {**policy_spec("adaptive", models, max_k, None), "shared_engine_policy": policy}
+            engine.policy = copy.deepcopy(built) if f is None else None
+        else:
+            engine, replay = open_engine(spec)
+        if f is not None and (f[1] is not None or a.shared_engine):
             from peagle_core.spec.depth import FixedDepth
 
             engine.policy = FixedDepth(f[0])  # benchmark only: k < K on a depth-K engine
@@ -736,12 +754,15 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
             log(f"[sweep] {policy:>11} C={C:<3} {cell['throughput_tok_s']:9.1f} tok/s  "
                 f"TPOT {cell['tpot_ms_mean']:.2f} ms  mean k {cell['mean_k']:.2f}  AL {cell['acceptance_length']:.2f}")
         del engine, fresh
-        release()
+        if not a.shared_engine:
+            release()
+    shared = None
+    release()
     result = {"kind": "measured", "shape": a.shape, "mode": a.mode, "device": str(device), "dtype": dtype_name,
               "machine": machine(device), "command": command_line(), "date": _dt.date.today().isoformat(),
               "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
               "prompts": a.prompts, "waves": a.waves, "min_requests": a.min_requests, "rounds": a.rounds,
-              "warmup_steps": a.warmup_steps, "warm_policy": a.warm_policy,
+              "warmup_steps": a.warmup_steps, "warm_policy": a.warm_policy, "shared_engine": a.shared_engine,
               "acceptance": ({"replay": str(a.replay), "trace": (trace.source if trace else None),
                               "trace_acceptance_length_at_K": trace.acceptance_length() if trace else None}
                              if trace else "real (the model's own drafts)"),
@@ -904,6 +925,8 @@ def render_markdown(result: dict[str, Any], title: str) -> str:
                     for C in conc]
             lines += _table(["concurrency"] + policies, rows) + [""]
         lines += comparison_lines(sc_cells, result["fixed"], conc)
+        if not scen:
+            lines += paired_lines(result)
         bt = (result.get("batch_tables") or {}).get(scen["name"]) if scen else None
         if bt:
             lines += [f"batch_table schedule (tuned from this scenario's fixed-K cells): `{json.dumps(bt)}`", ""]
@@ -963,6 +986,31 @@ def comparison_lines(cells: list[dict[str, Any]], fixed: list[int], conc: list[i
         out += [f"Adaptive >= 0.97 x best fixed at every concurrency and above {kmax} wherever {kmax} is not best "
                 f"({what}): **{'met' if ok else 'not met'}**.", ""]
     return out
+
+
+def paired_lines(result: dict[str, Any]) -> list[str]:
+    """With --shared-engine each round's policies ran on one build: adaptive over the best fixed K (best by the
+    medians) round by round, so that the build's host speed, common to both, cancels."""
+    if not result.get("shared_engine"):
+        return []
+    rounds = result.get("cells_by_round", [])
+    rows = []
+    for b in bar_rows(result["cells"], result["fixed"], result["concurrency"]):
+        at = lambda p: {c.get("round", 0): c["throughput_tok_s"] for c in rounds  # noqa: E731
+                        if c["policy"] == p and c["concurrency"] == b["concurrency"] and c.get("status") == "ok"}
+        ad, best = at("adaptive"), at(b["best_fixed"])
+        ratios = sorted(ad[r] / best[r] for r in ad if r in best)
+        if ratios:
+            rows.append([b["concurrency"], b["best_fixed"], _fmt(statistics.median(ratios), 3)
+                         + ("" if statistics.median(ratios) >= 0.97 else " ✗"),
+                         " ".join(_fmt(x, 2) for x in ratios)])
+    if not rows:
+        return []
+    return (["### Paired by round (one engine a round, every policy on it)", "",
+             "adaptive / best fixed K within each round (the best K by the medians above), then the median over "
+             "the rounds: the build's host speed, common to a round's cells, cancels.", ""]
+            + _table(["concurrency", "best fixed", "median of the rounds' ratios", "each round (sorted)"], rows)
+            + [""])
 
 
 def plot(result: dict[str, Any], path: Path, title: str) -> None:
@@ -1058,6 +1106,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup-steps", type=int, default=None,
                    help="tokens of an untimed warm-up wave per level (default: 16 on CUDA, where a level's first "
                         "steps would otherwise time Triton compiling its prefill shapes; 0 on a CPU)")
+    s.add_argument("--shared-engine", action="store_true",
+                   help="one depth-K engine a round, every policy swapped into it (K<k> and adaptive only): for "
+                        "host-bound engines, whose builds differ in host speed more than the policies do")
     s.add_argument("--warm-policy", action="store_true",
                    help="measure each level from the policy state its warm-up wave learnt (steady state at C: "
                         "a long-running server's policy has seen the load before) instead of the start-up state "

@@ -132,7 +132,7 @@ case "${1:-}" in
       --prompts heldout --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-2}" --min-requests "${MIN_REQUESTS:-8}" \
       --rounds "${ROUNDS:-3}" \
       --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" \
-      --time-budget-s "${SWEEP_BUDGET:-420}" --out /tmp/sweep_tiny 2>&1 \
+      --time-budget-s "${SWEEP_BUDGET:-420}" ${SWEEP_ARGS:-} --out /tmp/sweep_tiny 2>&1 \
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
     ;;

@@ -139,6 +139,34 @@ def test_rounds_are_interleaved_and_combined_by_median(tmp_path, capsys):
     assert "Spread of the 3 rounds" in (out / "sweep.md").read_text()
 
 
+def test_shared_engine_rounds_build_one_engine_a_round_and_pair_the_ratios(tmp_path, capsys):
+    """--shared-engine: each round builds one depth-K engine and swaps every policy into it (a fixed k drafts k
+    on it), and the report pairs adaptive with the best fixed K round by round."""
+    out = tmp_path / "shared"
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--max-tokens", "6", "--waves", "1", "--prompt-len", "8", "--policies", "K1,K3,adaptive",
+                 "--rounds", "2", "--shared-engine", "--out", str(out)])
+    assert rc == 0
+    builds = [line for line in capsys.readouterr().err.splitlines() if "engine built" in line]
+    assert len(builds) == 6 and sum(" 0.0s " not in line for line in builds) <= 2  # one real build a round
+    res = json.loads((out / "sweep.json").read_text())
+    assert res["shared_engine"] is True
+    rounds = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
+    assert all(c["K"] == 3 for c in rounds.values())  # every policy on the depth-3 engine
+    assert rounds[("K1", 0)]["mean_k"] == 1 and rounds[("K3", 1)]["mean_k"] == 3
+    md = (out / "sweep.md").read_text()
+    paired = md.split("Paired by round", 1)[1]
+    row = next(line for line in paired.splitlines() if line.startswith("| 2 |"))
+    best = next(b for b in S.bar_rows(res["cells"], res["fixed"], [2]))["best_fixed"]
+    ratios = sorted(rounds[("adaptive", r)]["throughput_tok_s"] / rounds[(best, r)]["throughput_tok_s"] for r in (0, 1))
+    assert f"{(ratios[0] + ratios[1]) / 2:.3f}" in row and f"{ratios[0]:.2f} {ratios[1]:.2f}" in row
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--max-tokens", "4", "--waves", "1", "--prompt-len", "8", "--policies", "K1,ema_tiers",
+                 "--shared-engine", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "not ema_tiers" in err and "engine built" not in err  # refused before any work
+
+
 def test_combine_rounds_takes_medians_and_keeps_single_cells():
     cells = [{"policy": "K1", "concurrency": 4, "round": r, "status": "ok", "throughput_tok_s": t, "mean_k": 1.0}
              for r, t in enumerate([30.0, 10.0, 20.0])] + [{"policy": "K3", "concurrency": 4, "status": "ok",

@@ -1,0 +1,101 @@
+"""What a varying depth costs a host-bound step: one depth-K engine, one level, several policies swapped in.
+
+    python benchmarks/policy_overhead.py --out OUT      # on the GPU host: the shipped tiny pair (data/heldout.json)
+
+On the tiny pair's shared-engine sweep (`adaptive_tiny_shared.md`) the adaptive policy's steps cost ~1.5x a
+fixed k = 3 step on the same engine. This separates the suspects, each policy on the same build, `--reps`
+interleaved repetitions of the level:
+- `K2`, `K3`: fixed k (the reference);
+- `alternate`: asks k = 2, 2, 3, 3, ... (a varying depth, no policy work: the cost of switching graphs);
+- `adaptive`: the engine's adaptive policy as built;
+- `adaptive_quiet`: the same, without learning step times while the device runs (`learn` a no-op) and
+  without exploring (the cost of the policy's work inside a step).
+Writes policy_overhead.json: per policy and repetition, throughput, the loop's host ms a step and the decode
+steps' mean ms at each k.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from adaptive_sweep import build_engine, build_models, cell_summary, make_prompts, policy_spec, run_level  # noqa: E402
+from peagle_core.spec.adaptive import Exploration  # noqa: E402
+from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo  # noqa: E402
+
+
+class Alternate(DepthPolicy):
+    """k = ks[0], ks[1], ... in turn: a depth that changes every step, with no decision behind it."""
+
+    def __init__(self, ks: list[int]):
+        self.ks, self.i = ks, 0
+
+    def choose(self, info: StepInfo) -> int:
+        self.i += 1
+        return self.ks[self.i % len(self.ks)]
+
+
+def make_policy(name: str, built) -> DepthPolicy:
+    if name.startswith("K"):
+        return FixedDepth(int(name[1:]))
+    if name == "alternate":
+        return Alternate([2, 2, 3, 3])
+    policy = copy.deepcopy(built)
+    if name == "adaptive_quiet":
+        policy.learn = lambda: None
+        policy.explore = Exploration.off()
+    return policy
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--min-requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--policies", default="K3,alternate,adaptive,adaptive_quiet,K2")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(a.device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    models = build_models("tiny", "peagle", device, getattr(torch, dtype))
+    engine = build_engine(models, policy_spec("adaptive", models, 7, None), a.concurrency, a.device, dtype, 2048,
+                          None, False)
+    built = copy.deepcopy(engine.policy)
+    prompts = make_prompts("tiny", "heldout", engine.tokenizer, 64, 0, 0, 0)
+    names = a.policies.split(",")
+    runs = []
+    for rep in range(a.reps):
+        for name in names:
+            engine.policy = make_policy(name, built)
+            run_level(engine, prompts, a.concurrency, 1, 16, 1, tag="warm")  # the policy's start, not measured
+            engine.stats = type(engine.stats)()
+            cell = run_level(engine, prompts, a.concurrency, 6, a.max_tokens, 0, min_requests=a.min_requests)
+            summary = cell_summary(engine)
+            runs.append({"policy": name, "rep": rep, "throughput_tok_s": cell["throughput_tok_s"],
+                         "host_ms_per_step": cell["host_ms_per_step"], "steps": cell["steps"],
+                         "mean_k": summary["mean_k"], "decode_step_ms_at_k": summary["decode_step_ms_at_k"],
+                         "acceptance_length": summary["acceptance_length"]})
+            print(json.dumps(runs[-1]), flush=True)
+    summary = {n: {"throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in runs if r["policy"] == n),
+                   "host_ms_per_step": statistics.median(r["host_ms_per_step"] for r in runs if r["policy"] == n)}
+               for n in names}
+    print(json.dumps(summary), flush=True)
+    (out / "policy_overhead.json").write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs,
+                                                          "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
