@@ -51,13 +51,14 @@ class AcceptanceEstimate:
     def observe(self, verified: list[tuple[int, int]]) -> None:
         # Positions 0..judged-1 were judged by at least one request (a request judges a prefix of positions).
         # Counted per request as histograms, then summed from the deep end: a request judging positions
-        # 0..m-1 adds one to reached[j] for every j < m (a plain loop per request: it runs every step).
+        # 0..m-1 adds one to reached[j] for every j < m. Position j was judged iff all before it passed, so a
+        # request that accepted a of d drafts judged a + 1 of them (a if it accepted all) and passed a. (A plain
+        # loop without calls: it runs per request every step, and min() in it cost 4x.)
         K = self.K
         judged_to, passed_to = [0] * (K + 1), [0] * (K + 1)
         for num_draft, num_acc in verified:
-            m = min(num_draft, num_acc + 1, K)  # position j was judged iff all before it passed
-            judged_to[m] += 1
-            passed_to[min(num_acc, m)] += 1
+            judged_to[num_acc + (num_acc < num_draft)] += 1
+            passed_to[num_acc] += 1
         judged = passed = 0
         for j in range(K - 1, -1, -1):
             judged += judged_to[j + 1]
@@ -183,6 +184,7 @@ class StepGrid:
         self.shape = [[0.0] * (self.K + 1) for _ in range(n)]     # log shape correction per cell (0: none)
         self._monotone: list[list[float] | None] = [None] * n      # `monotone(r)`, until the next observation
         self._weights_at: dict[int, list[tuple[int, float]]] = {}
+        self._at: dict[int, tuple[list[float], list[float]]] = {}  # `_batch(b)`, until the next observation
 
     def _weights(self, batch: int) -> list[tuple[int, float]]:
         """(row, weight) pairs whose weighted sum is the linear interpolation (or extrapolation) at `batch`;
@@ -205,13 +207,23 @@ class StepGrid:
         w = (batch - s[i - 1]) / (s[i] - s[i - 1])
         return [(i - 1, 1.0 - w), (i, w)]
 
+    def _batch(self, batch: int) -> tuple[list[float], list[float]]:
+        """T(batch, k) for k = 0..K and how much live evidence (decayed steps) the cells behind it hold, worked
+        out once between two observations: a choice reads both every step, and `observe` works them out for
+        the batch it saw while the device runs the next step (the next choice's batch, more often than not)."""
+        got = self._at.get(batch)
+        if got is None:
+            times, evidence = [0.0] * (self.K + 1), [0.0] * (self.K + 1)
+            for r, w in self._weights(batch):
+                times = [t + w * c for t, c in zip(times, self.monotone(r))]
+                if 0 < w <= 1:
+                    evidence = [e + w * x for e, x in zip(evidence, self.evidence_rows[r])]
+            got = self._at[batch] = (times, evidence)
+        return got
+
     def evidence(self, batch: int) -> list[float]:
-        """How much live evidence (decayed steps) the cells behind T(batch, k) hold, for k = 0..K."""
-        out = [0.0] * (self.K + 1)
-        for r, w in self._weights(max(batch, 1)):
-            if 0 < w <= 1:
-                out = [e + w * x for e, x in zip(out, self.evidence_rows[r])]
-        return out
+        """How much live evidence (decayed steps) the cells behind T(batch, k) hold, for k = 0..K (read only)."""
+        return self._batch(max(batch, 1))[1]
 
     def cell(self, r: int, k: int) -> float:
         """The current estimate of row r's step time at k: level-corrected profile times shape correction."""
@@ -235,9 +247,7 @@ class StepGrid:
 
     def steps(self, batch: int, max_k: int, prefill_tokens: int = 0) -> list[float]:
         """T(batch, k) for k = 0..max_k (k past K costs what K does)."""
-        out = [0.0] * (self.K + 1)
-        for r, w in self._weights(max(batch, 1)):
-            out = [t + w * c for t, c in zip(out, self.monotone(r))]
+        out = self._batch(max(batch, 1))[0]
         if prefill_tokens:  # prompt tokens in the same step: the marginal cost of a verified token
             top = self.rows[-1]
             extra = prefill_tokens * max(top[-1] - top[0], 0.0) / max(self.sizes[-1] * self.K, 1)
@@ -259,7 +269,8 @@ class StepGrid:
         for r, w in weights:
             self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
             self._monotone[r] = None  # its shape (`_learn_shape`) may have moved too
-            self.monotone(r)  # now, while the device runs a step (`AdaptiveDepth.learn`), not in the next choice
+        self._at.clear()
+        self._batch(batch)  # now, while the device runs a step (`AdaptiveDepth.learn`), not in the next choice
 
     def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_err: float) -> None:
         """Fold one step's log(measured / profiled) into the cells (r, k) it was interpolated from."""
