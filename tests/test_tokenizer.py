@@ -411,6 +411,26 @@ def test_sharegpt_parsing_survives_truncation(tmp_path):
     assert corpus.to_messages(got[0], 3) is None  # cap leaves no complete exchange
 
 
+def test_stop_filter_streams_the_text_cut_at_the_first_stop_string_whatever_the_pieces():
+    """Against the whole text: the deltas join to it, cut where the earliest stop string starts (all of it
+    when none occurs), and no delta sends what a later stop string takes back, however the text is split."""
+    from peagle_core.loading.tokenizer import StopFilter
+
+    rng = random.Random(5)
+    alphabet = "ab\n "
+    for _ in range(2000):
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))]
+        pieces = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 12))]
+        whole = "".join(pieces)
+        cut = stop_string_match(whole, stops)
+        expected = whole if cut is None else whole[:cut]
+        f, sent = StopFilter(stops), ""
+        for i, piece in enumerate(pieces):
+            sent += f.push(piece, final=i == len(pieces) - 1)
+            assert expected.startswith(sent)  # never more than the final text
+        assert sent == expected and f.emitted == expected and f.stopped == (cut is not None)
+
+
 def test_stop_filter_streams_up_to_the_stop_string_and_holds_back_prefixes():
     from peagle_core.loading.tokenizer import StopFilter
 

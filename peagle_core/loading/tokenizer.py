@@ -343,9 +343,14 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []  # the windowed decode's (bytewise, the decoder holds what it needs)
         self._prefix = 0
         self._read = 0
-        self.text = ""  # everything emitted so far
+        self._emitted: list[str] = []  # every delta (`text`); an attribute's += would copy the whole text a step
         self._bytes = tokenizer.token_bytes(skip_special_tokens) if bytewise else None
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, self.skip_special_tokens) if ids else ""
@@ -360,27 +365,27 @@ class IncrementalDetokenizer:
             return ""
         delta = full_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self.ids)
-        self.text += delta
+        self._emitted.append(delta)
         return delta
 
     def _push_bytes(self, new_ids: list[int]) -> str:
         if new_ids and (min(new_ids) < 0 or max(new_ids) >= len(self._bytes)):
             self.tokenizer.decode(new_ids)  # raises decode's error for ids out of range
         delta = self._utf8.decode(b"".join([self._bytes[i] for i in new_ids]))
-        self.text += delta
+        self._emitted.append(delta)
         return delta
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character becomes U+FFFD, as decode() would show it)."""
         if self._bytes is not None:
             delta = self._utf8.decode(b"", final=True)
-            self.text += delta
+            self._emitted.append(delta)
             return delta
         prefix_text = self._decode(self.ids[self._prefix:self._read])
         full_text = self._decode(self.ids[self._prefix:])
         delta = full_text[len(prefix_text):]
         self._prefix = self._read = len(self.ids)
-        self.text += delta
+        self._emitted.append(delta)
         return delta
 
 
@@ -412,26 +417,33 @@ def holdback(text: str, stops: Sequence[str]) -> int:
 
 
 class StopFilter:
-    """Streams text up to the first stop string, holding back any suffix that may still become one."""
+    """Streams text up to the first stop string, holding back any suffix that may still become one.
+
+    Only the held-back tail and the new text are searched: a stop string cannot start in text already sent
+    (while it could still become one it was held back), so a push costs what its text does, not what the
+    whole output does."""
 
     def __init__(self, stops: Sequence[str] | None):
         self.stops = [s for s in (stops or []) if s]
-        self.text, self.sent, self.stopped = "", 0, False
+        self.pending = ""  # pushed but not sent: shorter than the longest stop string
+        self._sent: list[str] = []
+        self.stopped = False
 
     def push(self, new: str, final: bool) -> str:
         """Add decoded text; returns what may be sent now (`stopped` turns True at a stop string)."""
         if self.stopped:
             return ""
-        self.text += new
-        hit = stop_string_match(self.text, self.stops)
+        text = self.pending + new
+        hit = stop_string_match(text, self.stops)
         if hit is not None:
             self.stopped, upto = True, hit
         else:
-            upto = len(self.text) - (0 if final else holdback(self.text, self.stops))
-        delta = self.text[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
+            upto = len(text) - (0 if final else holdback(text, self.stops))
+        delta, self.pending = text[:upto], text[upto:]
+        if delta:
+            self._sent.append(delta)
         return delta
 
     @property
     def emitted(self) -> str:
-        return self.text[:self.sent]
+        return "".join(self._sent)
