@@ -9,7 +9,9 @@ interleaved repetitions of the level:
 - `alternate`: asks k = 2, 2, 3, 3, ... (a varying depth, no policy work: the cost of switching graphs);
 - `adaptive`: the engine's adaptive policy as built;
 - `adaptive_quiet`: the same, without learning step times while the device runs (`learn` a no-op) and
-  without exploring (the cost of the policy's work inside a step).
+  without exploring (the cost of the policy's work inside a step);
+- `adaptive_k3`: the adaptive policy doing all its work every step, but k = 3 run (its work without its mix);
+- `replay`: the k the last `adaptive` run asked for, replayed with no policy work (its mix without its work).
 Writes policy_overhead.json: per policy and repetition, throughput, the loop's host ms a step and the decode
 steps' mean ms at each k.
 """
@@ -40,18 +42,29 @@ class Alternate(DepthPolicy):
 
     def choose(self, info: StepInfo) -> int:
         self.i += 1
-        return self.ks[self.i % len(self.ks)]
+        return self.ks[(self.i - 1) % len(self.ks)]
 
 
-def make_policy(name: str, built) -> DepthPolicy:
+def make_policy(name: str, built, asked: list[int]) -> DepthPolicy:
+    """The policy called `name`; `asked` collects what an `adaptive` run asks for, for the next `replay`."""
     if name.startswith("K"):
         return FixedDepth(int(name[1:]))
     if name == "alternate":
         return Alternate([2, 2, 3, 3])
+    if name == "replay":
+        return Alternate(list(asked) or [3])
     policy = copy.deepcopy(built)
-    if name == "adaptive_quiet":
+    choose = policy.choose
+    if name == "adaptive":
+        asked.clear()
+        policy.choose = lambda info: asked.append(choose(info)) or asked[-1]
+    elif name == "adaptive_k3":
+        policy.choose = lambda info: (choose(info), 3)[1]
+    elif name == "adaptive_quiet":
         policy.learn = lambda: None
         policy.explore = Exploration.off()
+    else:
+        raise ValueError(f"unknown policy {name!r}")
     return policy
 
 
@@ -63,7 +76,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--min-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--policies", default="K3,alternate,adaptive,adaptive_quiet,K2")
+    p.add_argument("--policies", default="K3,alternate,adaptive,replay,adaptive_k3,adaptive_quiet,K2")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,10 +88,10 @@ def main() -> int:
     built = copy.deepcopy(engine.policy)
     prompts = make_prompts("tiny", "heldout", engine.tokenizer, 64, 0, 0, 0)
     names = a.policies.split(",")
-    runs = []
+    runs, asked = [], []
     for rep in range(a.reps):
         for name in names:
-            engine.policy = make_policy(name, built)
+            engine.policy = make_policy(name, built, asked)
             run_level(engine, prompts, a.concurrency, 1, 16, 1, tag="warm")  # the policy's start, not measured
             engine.stats = type(engine.stats)()
             cell = run_level(engine, prompts, a.concurrency, 6, a.max_tokens, 0, min_requests=a.min_requests)
