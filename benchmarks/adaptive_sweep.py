@@ -722,7 +722,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
                 shared = (rnd, engine, replay, copy.deepcopy(engine.policy))
             _, engine, replay, built = shared
             spec = {**policy_spec("adaptive", models, max_k, None), "shared_engine_policy": policy}
-            engine.policy = copy.deepcopy(built) if f is None else None
+            engine.policy = copy.deepcopy(built)  # a fixed k replaces it below
         else:
             engine, replay = open_engine(spec)
         if f is not None and (f[1] is not None or a.shared_engine):
@@ -993,12 +993,13 @@ def paired_lines(result: dict[str, Any]) -> list[str]:
     medians) round by round, so that the build's host speed, common to both, cancels."""
     if not result.get("shared_engine"):
         return []
-    rounds = result.get("cells_by_round", [])
+    by_round: dict[tuple[str, int], dict[int, float]] = {}  # (policy, concurrency) -> {round: throughput}
+    for c in result.get("cells_by_round", []):
+        if c.get("status") == "ok":
+            by_round.setdefault((c["policy"], c["concurrency"]), {})[c.get("round", 0)] = c["throughput_tok_s"]
     rows = []
     for b in bar_rows(result["cells"], result["fixed"], result["concurrency"]):
-        at = lambda p: {c.get("round", 0): c["throughput_tok_s"] for c in rounds  # noqa: E731
-                        if c["policy"] == p and c["concurrency"] == b["concurrency"] and c.get("status") == "ok"}
-        ad, best = at("adaptive"), at(b["best_fixed"])
+        ad, best = by_round.get(("adaptive", b["concurrency"]), {}), by_round.get((b["best_fixed"], b["concurrency"]), {})
         ratios = sorted(ad[r] / best[r] for r in ad if r in best)
         if ratios:
             rows.append([b["concurrency"], b["best_fixed"], _fmt(statistics.median(ratios), 3)

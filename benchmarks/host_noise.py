@@ -29,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adaptive_sweep import build_engine, build_models, make_prompts, policy_spec, run_level  # noqa: E402
 
 
-def settle(setting: str, core: int) -> None:
-    if setting.startswith("pinned"):
-        os.sched_setaffinity(0, {core})
-        torch.set_num_threads(1)
+def settle(setting: str, cpus: set[int], threads: int) -> None:
+    """`pinned*`: the process and torch on the first of `cpus`; otherwise all of them, as found."""
+    pinned = setting.startswith("pinned")
+    os.sched_setaffinity(0, {min(cpus)} if pinned else cpus)
+    torch.set_num_threads(1 if pinned else threads)
 
 
 def main() -> int:
@@ -53,7 +54,8 @@ def main() -> int:
     device = torch.device(a.device)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     models = build_models("tiny", "peagle", device, getattr(torch, dtype))
-    core = sorted(os.sched_getaffinity(0))[0]
+    cpus, threads = set(os.sched_getaffinity(0)), torch.get_num_threads()
+    core = min(cpus)
     info = {"cpus": sorted(os.sched_getaffinity(0)), "core_pinned": core, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None, "loadavg": os.getloadavg()}
     for cmd in (["nvidia-smi", "topo", "-m"], ["lscpu"]):
@@ -64,7 +66,7 @@ def main() -> int:
     runs = []
     prompts = None
     for setting in a.settings.split(","):
-        settle(setting, core)
+        settle(setting, cpus, threads)
         for e in range(a.engines):
             engine = build_engine(models, policy_spec(a.policy, models, 7, None), max(levels), a.device, dtype,
                                   2048, None, False)

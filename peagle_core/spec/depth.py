@@ -74,9 +74,9 @@ class DepthTally:
         _bump(self.steps_at_k, k)
         # The engine lists only requests that verified drafts; the others (k = 0, or drafts capped by
         # max_tokens) emitted exactly one token each.
-        counts = self.tokens_per_verify
-        if len(counts) < k + 2:
-            counts.extend([0] * (k + 2 - len(counts)))
+        counts, size = self.tokens_per_verify, max(k, info.max_k) + 2  # a request emits at most K + 1 tokens
+        if len(counts) < size:
+            counts.extend([0] * (size - len(counts)))
         realized = 0
         for _, a in outcome.accepted:  # a plain loop: it runs per request on every step (host time)
             counts[a + 1] += 1
