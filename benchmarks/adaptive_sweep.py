@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -814,8 +815,12 @@ def diagnose(path: Path, log=print) -> None:
     if any(c["policy"] == "adaptive" and "step_grid" in c for c in cells):
         from adaptive_sim import recorded_start_up_grid  # (it imports this module: not at the top)
 
-        seconds = policy_host_seconds(recorded_start_up_grid(result))
-        log(f"adaptive policy host time: {1e6 * seconds:.1f} us a step (choose + observe, in a tight loop)")
+        grid = recorded_start_up_grid(result)
+        for batch in (4, 16, 64):
+            r = policy_loop(grid, batch)
+            log(f"adaptive policy host time: tight loop at {batch} requests, choose {r['choose_us']:.1f} + observe "
+                f"{r['observe_us']:.1f} us a step (learn {r['learn_us']:.1f}, while the device runs); "
+                f"mean k {r['mean_k']:.2f}, k digest {r['k_digest']}")
 
 
 def estimated_host_ms(cell: dict[str, Any]) -> float | None:
@@ -831,30 +836,39 @@ def estimated_host_ms(cell: dict[str, Any]) -> float | None:
     return (1e3 * cell["wall_s"] - device_ms) / cell["steps"]
 
 
-def policy_host_seconds(grid: dict[int, list[float]], batch: int = 4, steps: int = 2000) -> float:
-    """Mean host time of `AdaptiveDepth.choose` + `observe` on a start-up grid (seconds per batch size and k),
-    over synthetic steps: what the policy adds between two device steps (`learn` runs while one executes).
-    In a tight loop; between real engine steps it runs ~4x slower (2-core CPU: host_time.py's policy_us_per_step)."""
+def policy_loop(grid: dict[int, list[float]], batch: int = 4, steps: int = 3000) -> dict[str, Any]:
+    """The adaptive policy on a start-up grid (seconds per batch size and k) over synthetic steps, in a tight loop:
+    its host microseconds a step in `choose` and `observe` (what it adds between two device steps) and in `learn`
+    (run while one executes), and a digest of the k it asked for (the same digest from two checkouts: the same
+    choices). One request in four steps is missing, so the batch size moves as in a closed loop. Between real
+    engine steps the policy runs several times slower (host_time.py's policy_us_per_step)."""
     from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
     from peagle_core.spec.depth import StepInfo, StepOutcome
 
     K = len(next(iter(grid.values()))) - 1
     policy = AdaptiveDepth(K, StepGrid(grid))
-    rng, drafts, total = random.Random(0), K, 0.0
-    for _ in range(steps):
-        info = StepInfo(batch, 0, K, drafts)
+    rng, drafts, asked = random.Random(0), K, []
+    parts = {"choose": 0.0, "learn": 0.0, "observe": 0.0}
+    for i in range(steps):
+        b = max(1, batch - (i % 4 == 0))
+        info = StepInfo(b, 0, K, drafts)
         t0 = time.perf_counter()
         want = policy.choose(info)
         t1 = time.perf_counter()
         policy.learn()
-        v = min(want, drafts)
-        outcome = StepOutcome(v, [(v, min(v, rng.randrange(3))) for _ in range(batch)], policy.times.step(batch, v),
-                              batch * (1 + v), drafted=want)
         t2 = time.perf_counter()
+        v = min(want, drafts)
+        outcome = StepOutcome(v, [(v, min(v, rng.randrange(4))) for _ in range(b)],
+                              policy.times.step(b, v) * rng.uniform(0.9, 1.1), b * (1 + v), drafted=want)
+        t3 = time.perf_counter()
         policy.observe(info, outcome)
-        total += t1 - t0 + time.perf_counter() - t2
+        parts["choose"] += t1 - t0
+        parts["learn"] += t2 - t1
+        parts["observe"] += time.perf_counter() - t3
+        asked.append(want)
         drafts = want
-    return total / steps
+    return {**{f"{name}_us": 1e6 * t / steps for name, t in parts.items()},
+            "k_digest": zlib.crc32(bytes(asked)), "mean_k": sum(asked) / steps}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -999,7 +1013,8 @@ def paired_lines(result: dict[str, Any]) -> list[str]:
             by_round.setdefault((c["policy"], c["concurrency"]), {})[c.get("round", 0)] = c["throughput_tok_s"]
     rows = []
     for b in bar_rows(result["cells"], result["fixed"], result["concurrency"]):
-        ad, best = by_round.get(("adaptive", b["concurrency"]), {}), by_round.get((b["best_fixed"], b["concurrency"]), {})
+        C = b["concurrency"]
+        ad, best = by_round.get(("adaptive", C), {}), by_round.get((b["best_fixed"], C), {})
         ratios = sorted(ad[r] / best[r] for r in ad if r in best)
         if ratios:
             rows.append([b["concurrency"], b["best_fixed"], _fmt(statistics.median(ratios), 3)

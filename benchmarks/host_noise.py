@@ -56,7 +56,7 @@ def main() -> int:
     models = build_models("tiny", "peagle", device, getattr(torch, dtype))
     cpus, threads = set(os.sched_getaffinity(0)), torch.get_num_threads()
     core = min(cpus)
-    info = {"cpus": sorted(os.sched_getaffinity(0)), "core_pinned": core, "torch": torch.__version__,
+    info = {"cpus": sorted(cpus), "core_pinned": core, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None, "loadavg": os.getloadavg()}
     for cmd in (["nvidia-smi", "topo", "-m"], ["lscpu"]):
         try:
@@ -83,7 +83,7 @@ def main() -> int:
                     runs.append({"setting": setting, "engine": e, "rep": r, "concurrency": C,
                                  "throughput_tok_s": cell["throughput_tok_s"], "steps": cell["steps"],
                                  "wall_s": cell["wall_s"], "host_ms_per_step": cell["host_ms_per_step"],
-                                 "device_ms_per_step": 1e3 * (cell["wall_s"] / cell["steps"]) - cell["host_ms_per_step"],
+                                 "device_ms_per_step": 1e3 * cell["wall_s"] / cell["steps"] - cell["host_ms_per_step"],
                                  "seconds": time.perf_counter() - t0})
                     print(json.dumps(runs[-1]), flush=True)
             del engine

@@ -3,6 +3,7 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
 
     python benchmarks/host_time.py --requests 32 --max-tokens 960                 # fixed K = 3, the shipped pair
     python benchmarks/host_time.py --requests 64 --max-tokens 48 --policy adaptive --k 7
+    python benchmarks/host_time.py --stop-filter        # one request's stop-string filter alone, as outputs grow
 
 On the shipped tiny pair on a CPU the device step is slow, but the host work around it is the same Python as on
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
@@ -80,6 +81,29 @@ def timed(obj, name: str, part: str, parts: dict[str, float]) -> None:
     setattr(obj, name, functools.wraps(method)(wrapper))
 
 
+def stop_filter_pushes(pushes: int = 8000, piece: int = 4) -> dict:
+    """`StopFilter.push` alone, microseconds a push over a long output of `piece`-character pushes, with two stop
+    strings that never occur and with none: the mean over all pushes and over the last eighth (a cost that grows
+    with the text already pushed shows there)."""
+    import random
+
+    from peagle_core.loading.tokenizer import StopFilter
+
+    rng = random.Random(0)
+    pieces = ["".join(rng.choice("abcdefgh ") for _ in range(piece)) for _ in range(pushes)]
+    out = {"pushes": pushes}
+    for name, stops in (("no_stops", []), ("two_stops", ["</answer>", "\n\nUser:"])):
+        f, times = StopFilter(stops), []
+        for text in pieces:
+            t0 = time.perf_counter()
+            f.push(text, final=False)
+            times.append(time.perf_counter() - t0)
+        tail = times[-pushes // 8:]
+        out[f"{name}_us"] = round(1e6 * sum(times) / len(times), 2)
+        out[f"{name}_last_eighth_us"] = round(1e6 * sum(tail) / len(tail), 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=32)
@@ -87,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="fixed", help="fixed (K = --k) or a depth policy name, e.g. adaptive")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--stop-filter", action="store_true", help="time the stop-string filter alone instead")
     a = p.parse_args(argv)
+    if a.stop_filter:
+        print(json.dumps(stop_filter_pushes()))
+        return 0
     print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len)))
     return 0
 

@@ -2,8 +2,9 @@
 
 The engine asks `choose(info)` once per step (one k for the whole batch, so verify shapes stay
 graph-friendly) and reports back with `observe(...)` after the step, so a policy can learn
-acceptance rates and step times online; `learn()` runs while the device executes the next step. The step drafts k for the next one and verifies what the previous
-step drafted, at most k: `StepOutcome.k` is the depth it verified.
+acceptance rates and step times online; `learn()` runs while the device executes the next step.
+The step drafts k for the next one and verifies what the previous step drafted, at most k:
+`StepOutcome.k` is the depth it verified.
 """
 from __future__ import annotations
 
