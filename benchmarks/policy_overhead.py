@@ -13,11 +13,14 @@ interleaved repetitions of the level:
 - `adaptive_k3`: the adaptive policy doing all its work every step, but k = 3 run (its work without its mix);
 - `replay`: the k the last `adaptive` run asked for, replayed with no policy work (its mix without its work).
 Writes policy_overhead.json: per policy and repetition, throughput, the loop's host ms a step and the decode
-steps' mean ms at each k.
+steps' mean ms at each k. `--trace` also times every step's parts (`step_trace.py`): their totals and the steps over
+10 ms go in policy_overhead.json, `adaptive` against `replay` (the same steps) and `adaptive_k3` against `K3`
+compared part by part, and every step's row in policy_overhead_trace.json.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adaptive_sweep import build_engine, build_models, cell_summary, make_prompts, policy_spec, run_level  # noqa: E402
+from step_trace import StepTrace, compare, stalls, totals  # noqa: E402
 from peagle_core.spec.adaptive import Exploration  # noqa: E402
 from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo  # noqa: E402
 
@@ -77,6 +81,7 @@ def main() -> int:
     p.add_argument("--min-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--policies", default="K3,alternate,adaptive,replay,adaptive_k3,adaptive_quiet,K2")
+    p.add_argument("--trace", action="store_true", help="time every step's parts (step_trace.py)")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,25 +93,38 @@ def main() -> int:
     built = copy.deepcopy(engine.policy)
     prompts = make_prompts("tiny", "heldout", engine.tokenizer, 64, 0, 0, 0)
     names = a.policies.split(",")
-    runs, asked = [], []
+    runs, asked, traces = [], [], {}
     for rep in range(a.reps):
         for name in names:
             engine.policy = make_policy(name, built, asked)
             run_level(engine, prompts, a.concurrency, 1, 16, 1, tag="warm")  # the policy's start, not measured
             engine.stats = type(engine.stats)()
-            cell = run_level(engine, prompts, a.concurrency, 6, a.max_tokens, 0, min_requests=a.min_requests)
+            with StepTrace(engine) if a.trace else contextlib.nullcontext() as trace:
+                cell = run_level(engine, prompts, a.concurrency, 6, a.max_tokens, 0, min_requests=a.min_requests)
             summary = cell_summary(engine)
             runs.append({"policy": name, "rep": rep, "throughput_tok_s": cell["throughput_tok_s"],
                          "host_ms_per_step": cell["host_ms_per_step"], "steps": cell["steps"],
                          "mean_k": summary["mean_k"], "decode_step_ms_at_k": summary["decode_step_ms_at_k"],
                          "acceptance_length": summary["acceptance_length"]})
+            if trace is not None:
+                traces[name, rep] = trace.rows
+                runs[-1]["trace_ms"] = {"decode": totals(trace.rows, True), "mixed": totals(trace.rows, False)}
+                runs[-1]["stalls"] = stalls(trace.rows)
             print(json.dumps(runs[-1]), flush=True)
     summary = {n: {"throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in runs if r["policy"] == n),
                    "host_ms_per_step": statistics.median(r["host_ms_per_step"] for r in runs if r["policy"] == n)}
                for n in names}
     print(json.dumps(summary), flush=True)
-    (out / "policy_overhead.json").write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs,
-                                                          "summary": summary}, indent=1))
+    result = {"command": " ".join(sys.argv), "runs": runs, "summary": summary}
+    if traces:  # each policy against the one that runs the same steps without its mix or without its work
+        result["compared"] = {f"{x} - {y}, rep {rep}": compare(traces[x, rep], traces[y, rep])
+                              for x, y in (("adaptive", "replay"), ("adaptive_k3", "K3"))
+                              for rep in range(a.reps) if (x, rep) in traces and (y, rep) in traces}
+        for name, c in result["compared"].items():
+            print(name, json.dumps({k: c[k] for k in ("aligned", "all", "median_diff_ms") if k in c}), flush=True)
+        (out / "policy_overhead_trace.json").write_text(json.dumps(
+            [{"policy": n, "rep": r, "rows": rows} for (n, r), rows in traces.items()]))
+    (out / "policy_overhead.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

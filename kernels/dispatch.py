@@ -122,3 +122,23 @@ def triton_has_pdl() -> bool:
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
     return (hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
             and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
+
+
+
+def triton_kernels() -> dict[str, object]:
+    """The Triton JIT functions of the loaded `kernels.triton_*` modules, by name (module.function)."""
+    import sys
+
+    return {f"{name[8:]}.{attr}": fn for name, module in list(sys.modules.items()) if name.startswith("kernels.triton_")
+            for attr, fn in vars(module).items() if getattr(fn, "device_caches", None) is not None}
+
+
+def compiled_variants(kernels: dict[str, object] | None = None) -> dict[str, int]:
+    """How many variants each Triton kernel (`triton_kernels()`, or those given) has compiled so far. Triton
+    compiles one per new combination of constexprs and of what it specialises arguments on (integers equal
+    to 1 or divisible by 16, 16-byte aligned pointers); in a live step a compile is a 0.1-0.4 s stall, so
+    the kernels the engine launches outside its CUDA graphs must not meet new ones (tests/test_graphs.py;
+    benchmarks/step_trace.py counts them per step). Empty under the interpreter."""
+    kernels = triton_kernels() if kernels is None else kernels
+    # a JITFunction keeps, per device, a tuple whose first item is its compiled kernels
+    return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in kernels.items()}

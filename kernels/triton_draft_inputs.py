@@ -24,7 +24,10 @@ import triton.language as tl
 from kernels.dispatch import pdl_launch
 
 
-@triton.jit
+# The engine launches both kernels eagerly in every step with prompt chunks, whose token counts vary step by step:
+# Triton would compile a variant for each new pattern of these integers (== 1, divisible by 16) and each BLOCK,
+# a 0.1-0.4 s stall in a live step on an H200 (docs/adaptive.md). Neither kernel gains from those hints.
+@triton.jit(do_not_specialize=["T", "P", "num_blocks"])
 def _prepare_kernel(tok_ptr, pos_ptr, next_ptr, qsl_ptr, nrej_ptr,
                     ids_out, pos_out, rej_out, mask_out, sample_out, map_out,
                     mask_token_id, padding_token_id, T, P, num_blocks,
@@ -66,6 +69,9 @@ def _prepare_kernel(tok_ptr, pos_ptr, next_ptr, qsl_ptr, nrej_ptr,
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
+PREPARE_BLOCK = 128  # slots a program handles per pass: one size for every step (a decode step has <= 2K slots)
+
+
 def prepare_draft_inputs_triton(target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                                 next_token_ids: torch.Tensor, query_start_loc: torch.Tensor,
                                 num_rejected: torch.Tensor, mask_token_id: int, num_slots: int,
@@ -92,17 +98,16 @@ def prepare_draft_inputs_triton(target_token_ids: torch.Tensor, target_positions
     hidden_map = torch.empty(T, dtype=torch.long, device=device)
     if B > 0:
         longest = max(T - B + P, 1)                     # slots of the longest request if each has >= 1 token
-        block = min(triton.next_power_of_2(longest), 256)
-        num_blocks = triton.cdiv(longest, block)
+        num_blocks = triton.cdiv(longest, PREPARE_BLOCK)
         _prepare_kernel[(B, num_blocks)](
             target_token_ids, target_positions, next_token_ids, query_start_loc, num_rejected,
             ids, positions, is_rejected, is_masked, sample_indices, hidden_map,
-            int(mask_token_id), int(padding_token_id), T, P, num_blocks, BLOCK=block,
+            int(mask_token_id), int(padding_token_id), T, P, num_blocks, BLOCK=PREPARE_BLOCK,
             **pdl_launch(target_token_ids))
     return ids, positions, is_rejected.view(torch.bool), is_masked.view(torch.bool), sample_indices, hidden_map
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_out", "search_steps"])
 def _fill_hidden_kernel(src_ptr, map_ptr, masked_ptr, shared_ptr, out_ptr,
                         T, n_out, H, stride_src, stride_out, search_steps,
                         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr = False):

@@ -13,6 +13,7 @@ names imported at collection time (a reload would leave those stale).
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import sys
@@ -28,6 +29,12 @@ TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_routing", "kernels
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def is_triton_jit(fn: ast.FunctionDef) -> bool:
+    """Whether a function's source decorates it with `triton.jit` (bare, or with options such as
+    `do_not_specialize`)."""
+    return any(ast.unparse(d.func if isinstance(d, ast.Call) else d) == "triton.jit" for d in fn.decorator_list)
 
 
 def _triton_interpreted() -> bool:

@@ -431,3 +431,27 @@ def test_triton_kernels_with_graphs_give_the_reference_greedy_tokens(mode, k):
         set_triton_enabled(previous)
     assert outs[True] == outs[False]
 
+
+
+@pytest.mark.gpu
+@cuda
+def test_live_steps_compile_no_new_triton_variants_whatever_their_sizes(tiny_pair, reference):
+    """Prompt chunks (mixed steps) and the verify's sampling run their Triton kernels outside the graphs, at
+    sizes and buffer offsets that change step by step. A kernel specialised on those compiled a new variant in
+    the middle of a run, 0.1-0.4 s each on an H200 (docs/adaptive.md); now each compiles at most once."""
+    from kernels.dispatch import compiled_variants
+    from peagle_core.spec.depth import DepthPolicy
+
+    class Cycle(DepthPolicy):  # every depth 0..K in turn: every draft count in mixed and decode steps
+        i = 0
+
+        def choose(self, info):
+            self.i += 1
+            return self.i % (info.max_k + 1)
+
+    llm = make_llm(tiny_pair, "peagle", 7, device="cuda", dtype="bfloat16")  # every graph captured here
+    llm.engine.policy = Cycle()
+    before = compiled_variants()
+    drive(llm, reference, seed=3)  # joins every other step: mixed steps of many sizes, batches of 1-6
+    new = {name: n - before.get(name, 0) for name, n in compiled_variants().items() if n > before.get(name, 0)}
+    assert sum(new.values()) <= 3 and all(n == 1 for n in new.values()), new

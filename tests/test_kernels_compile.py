@@ -26,7 +26,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from kernel_utils import _load_kernels, _triton_interpreted
+from kernel_utils import _load_kernels, _triton_interpreted, is_triton_jit
 from kernels.attention import paged_attention
 from kernels.dispatch import set_triton_enabled, triton_enabled
 from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
@@ -47,7 +47,7 @@ def pdl_kernels() -> dict[str, str]:
     found = {}
     for path in sorted((ROOT / "kernels").glob("triton_*.py")):
         for node in ast.parse(path.read_text()).body:
-            if (isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "triton.jit" for d in node.decorator_list)
+            if (isinstance(node, ast.FunctionDef) and is_triton_jit(node)
                     and any(a.arg == "USE_PDL" for a in node.args.args)):
                 found[node.name] = f"kernels.{path.stem}"
     return found

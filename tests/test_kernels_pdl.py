@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kernel_utils import triton_interpret  # noqa: F401  (fixture)
+from kernel_utils import is_triton_jit, triton_interpret  # noqa: F401  (fixture)
 from kernels.dispatch import pdl_launch, use_pdl
 from kernels.norm import add_rms_norm
 from kernels.rope import apply_rope
@@ -84,7 +84,7 @@ def test_every_kernel_waits_first_triggers_last_and_every_launch_passes_pdl_laun
             assert any(_is_pdl_launch(v) or (isinstance(v, ast.Name) and v.id in option_dicts) for v in passes), \
                 f"{path.name}: the launch of {name} does not pass **pdl_launch(...)"
             fn = functions[name]
-            assert any(ast.unparse(d) == "triton.jit" for d in fn.decorator_list), name
+            assert is_triton_jit(fn), name
             last = fn.args.args[-1]
             assert last.arg == "USE_PDL" and ast.unparse(last.annotation) == "tl.constexpr", name
             assert isinstance(fn.args.defaults[-1], ast.Constant) and fn.args.defaults[-1].value is False, name
