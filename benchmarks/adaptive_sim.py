@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adaptive_sweep import (POLICIES_DEFAULT, STEPS_FORMAT, AcceptanceReplay, Trace, _ints, _names,  # noqa: E402
                             command_line, fixed_ks, fixed_policy, level_only, request_lengths, tune_batch_table,
@@ -286,6 +287,7 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         info = StepInfo(num_verify=B, num_prefill_tokens=0, max_k=K,  # the engine passes no prompt tokens
                         drafts=None if old_accounting else held)
         want = policy.choose(info) if K else 0
+        policy.learn()  # as the engine calls it: while the device runs the step
         k = min(want, held)
         drafts = [_drafts(r, k, joins) for r in decoding]
         budget = joins.budget - sum(1 + d for d in drafts)  # decoders first (64 x 8 tokens just fill 512)

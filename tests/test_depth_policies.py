@@ -167,13 +167,17 @@ def test_unreached_positions_borrow_the_rate_next_to_them():
     assert r[1] > 0.9
 
 
-def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot_lock_in_k1():
+@pytest.mark.parametrize("learn_while_busy", [False, True])
+def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot_lock_in_k1(learn_while_busy):
     """The H200 sweep's 32-request levels, synthetic: every request starts at once, and in its first tokens the
     second draft never passes. The policy drops to k = 1, which never judges position 2 again; at the judged
     positions' rate of forgetting (0.98 a step on ~200 early observations) it stayed at k = 1 for 92 of these
     100 steps although every position passes half the time from step 6 on (k >= 3 best on this grid). A
     position nobody judges now forgets at 0.9 a step: back to its neighbour's rate, and the policy deeper,
-    within a few steps. No exploration: the acceptance estimate alone must recover."""
+    within a few steps. No exploration: the acceptance estimate alone must recover.
+    `learn_while_busy`: as the engine runs it, `learn` between the choice and the step's outcome, preparing
+    the next choice's ranking before this step's acceptance is known. Used at a level's start, that ranking
+    ran step 1 at k = 5 on the prior, doubled the early signal and held k = 1 until step 22."""
     from peagle_core.spec.adaptive import Exploration, StepGrid
 
     grid = StepGrid({32: [12.7, 12.7, 13.9, 13.9, 14.4, 14.6, 15.0, 15.3]})  # the H200 start-up row, ms
@@ -183,6 +187,8 @@ def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot
     for step in range(100):
         k = p.choose(info)
         ks.append(k)
+        if learn_while_busy:
+            p.learn()
         runs = [1] * 32 if step < 6 else half  # first tokens: the first draft passes, the second never
         p.observe(info, StepOutcome(k, [(k, min(k, a)) for a in runs], grid.step(32, k), 32 * (1 + k)))
     assert 1 in ks[:6]  # the early evidence did push it to k = 1
@@ -559,3 +565,34 @@ def test_adaptive_predicts_the_depth_it_can_verify_and_measures_a_deeper_alterna
     assert p.choose(StepInfo(16, 0, 7, drafts=2)) == 2  # drafted last step: measured now
     assert p.describe()["explored"] == 1.0 and p.describe()["k"] == 2 and p.pending is None
     assert p.explored == 1
+
+
+def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_chooses_the_same():
+    """The engine calls `learn` while the device runs a step; the adaptive policy ranks every k there, for the
+    batch size it just chose for and one request either side, and the next choice only looks the ranking up
+    (on the tiny pair's ~1 ms steps ranking in the choice cost ~5% of the throughput). A ranking that missed
+    the last step's acceptance must still give the choice a fresh one would, once the estimate holds many steps."""
+    from peagle_core.spec.adaptive import StepGrid
+
+    def run(learn_while_busy: bool) -> tuple[list[int], list[int]]:
+        p = AdaptiveDepth(7, StepGrid({b: [1.0 + 0.02 * b + 0.03 * b * k for k in range(8)] for b in (1, 8, 16)}))
+        rank, in_choose = p._rank, []
+        p._rank = lambda *a, **kw: (in_choose.append(calling[0]), rank(*a, **kw))[1]
+        calling, ks, rng = [False], [], __import__("random").Random(0)
+        for step in range(300):
+            B = (12, 11, 10, 11)[(step // 7) % 4]  # requests leave and join, one at a time
+            calling[0] = True
+            k = p.choose(StepInfo(B, 0, 7))
+            calling[0] = False
+            ks.append(k)
+            if learn_while_busy:
+                p.learn()
+            runs = [min(k, rng.choice([0, 1, 1, 2, 3, 7])) for _ in range(B)]
+            p.observe(StepInfo(B, 0, 7), StepOutcome(k, [(k, a) for a in runs], p.times.step(B, k), B * (1 + k)))
+        return ks, in_choose
+
+    fresh, ranked_fresh = run(False)
+    busy, ranked_busy = run(True)
+    assert all(ranked_fresh)  # without `learn`, every choice ranks
+    assert sum(ranked_busy[-200:]) == 0  # steady: every choice found its ranking prepared
+    assert sum(a == b for a, b in zip(fresh[-200:], busy[-200:])) >= 190  # and chose as a fresh one would

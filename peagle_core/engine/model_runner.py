@@ -113,7 +113,8 @@ class ModelRunner:
     def execute(self, batch: list[Scheduled], draft_len: int | None = None,
                 while_busy: Callable[[], None] | None = None) -> StepResult:
         """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify.
-        `while_busy` runs once everything is launched, before the step waits for the device."""
+        `while_busy` runs once everything is launched, before the step waits for the device, if the device is
+        still working on the step (`_device_busy`)."""
         inp = self._inputs(batch)
         meta = ForwardMeta(positions=inp.positions, query_start_loc=inp.query_start_loc, seq_lens=inp.seq_lens,
                            slot_mapping=inp.slot_mapping, block_tables=inp.block_tables)
@@ -133,9 +134,15 @@ class ModelRunner:
         drafts = None
         if self.drafter is not None:
             drafts = self._draft(key, uniform, inp.input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
-        if while_busy is not None:
+        if while_busy is not None and self._device_busy():
             while_busy()
         return self._to_host(batch, tokens, num_accepted, drafts)
+
+    def _device_busy(self) -> bool:
+        """Whether the step's work is still queued on the device (a host-bound step, e.g. the tiny pair's steps
+        with prompt chunks on an H200, has the device done before its last launch): work moved into that window
+        is free only then. Never on a CPU, where everything ran synchronously."""
+        return self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query()
 
     def _inputs(self, batch: list[Scheduled]) -> StepInputs:
         """The step's metadata, built on the host and uploaded in one asynchronous copy (two with sampling

@@ -135,6 +135,10 @@ class StepTimeModel:
         self.times = rescaled(self.times, ratio, self.smoothing)
 
 
+# A ranking prepared while the device ran the last step serves the next choice unless that step added more
+# than this share to the acceptance evidence (`AdaptiveDepth.choose`).
+PREPARED_NEW_EVIDENCE = 0.1
+
 # StepGrid's shape learning (see its docstring).
 SHAPE_PRIOR = 0.5                # pseudo-observations behind a cell's borrowed estimate at its first look
 SHAPE_STEP_CLIP = math.log(1.5)  # one step moves a cell's estimate by at most this factor's share
@@ -384,6 +388,20 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
     return StepGrid({B: [times[B, k] for k in range(K + 1)] for B in sizes})
 
 
+@dataclass(slots=True)
+class Ranking:
+    """What a choice at one batch size is made from: per k = 0..K the acceptance rates, the tokens a request
+    emits and the step's seconds; the best k, the alternative exploration would run, and whether that one is
+    within the exploration margin of the best."""
+
+    rates: list[float]
+    tokens: list[float]
+    seconds: list[float]
+    best: int
+    alt: int | None
+    near: bool
+
+
 @dataclass
 class Exploration:
     """How often the adaptive policy runs another k than its best guess. `StepGrid` learns the shape of
@@ -420,7 +438,8 @@ class AdaptiveDepth(DepthPolicy):
         self.acceptance = AcceptanceEstimate(K, prior=prior)
         self._rate_keys = [f"accept_rate_{j + 1}" for j in range(K)]
         self.last_rates: list[float] = []
-        self.last: dict[str, float] = {}
+        self.last: dict[str, float] = {}  # the last choice's inputs and predictions
+        self.learnt: dict[str, float] = {}  # the last step observed: realised tokens and its time
         # Exploring only pays where the step-time model learns per k (a grid); the token-count model
         # learns one level from any step, so it gets none.
         self.explore = explore if explore is not None else Exploration()
@@ -430,17 +449,41 @@ class AdaptiveDepth(DepthPolicy):
         self.decisions = self.explored = 0  # decode-step choices, and how many of them explored
         self.pending: int | None = None  # a deeper alternative drafted this step, to measure (verify) in the next
         self.unlearnt_time: tuple[int, int, float, int] | None = None  # the last step's time, until `learn`
+        self.prepared: dict[int, Ranking] = {}  # batch size -> ranking, worked out by `learn` for the next choice
+        self._prepared_next = False  # `learn` prepared them during the step now being observed
+        self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
 
-    def _predictions(self, info: StepInfo, K: int) -> tuple[list[float], list[float], list[float]]:
-        """Acceptance rates, tokens a request emits and step seconds for k = 0..K, each computed once a step:
-        the choice is made on the host between two device steps, so its time adds to every step (docs/adaptive.md,
-        "Host time")."""
+    def _expected(self) -> tuple[list[float], list[float]]:
+        """Acceptance rates and the tokens a request emits, for k = 0..K (the same at every batch size)."""
         rates = self.acceptance.rates()
-        tokens = self.acceptance.expected_tokens_by_k(rates)
-        return rates, tokens, self.times.steps(info.num_verify, K, info.num_prefill_tokens)
+        return rates, self.acceptance.expected_tokens_by_k(rates)
+
+    def _rank(self, batch: int, K: int, prefill_tokens: int = 0,
+              expected: tuple[list[float], list[float]] | None = None) -> Ranking:
+        """Acceptance rates, tokens a request emits and step seconds for k = 0..K at this batch size, the k of
+        the best goodput (ties to the shallower) and the alternative exploration would run. (Plain loops: it
+        runs on every step, and `max` with a key cost twice as much.)"""
+        rates, tokens = expected or self._expected()
+        seconds = self.times.steps(batch, K, prefill_tokens)
+        goodput = [t / s for t, s in zip(tokens, seconds)]  # per request: the batch size is common to all
+        lo = min(self.k_min, K)
+        best = lo
+        for k in range(lo + 1, K + 1):
+            if goodput[k] > goodput[best]:
+                best = k
+        alt = None
+        if self.explore.cap > 0:  # the best-ranked k after the favourite whose cells were not measured lately:
+            # re-measuring what was just measured says little, and when the runner-up is fresh the informative
+            # k is often the next one (the other side of the favourite)
+            evidence, fresh, top = self.times.evidence(batch), self.explore.fresh, self.times.K
+            for k in range(lo, K + 1):
+                if k != best and evidence[min(k, top)] < fresh and (alt is None or goodput[k] > goodput[alt]):
+                    alt = k
+        near = alt is not None and goodput[alt] >= (1.0 - self.explore.margin) * goodput[best]
+        return Ranking(rates, tokens, seconds, best, alt, near)
 
     def choose(self, info: StepInfo) -> int:
         """The depth to draft for the next step, and to verify now as far as the drafts held allow
@@ -448,61 +491,61 @@ class AdaptiveDepth(DepthPolicy):
         model are for the depth verified. (Both were for the depth asked for: a step asking for more than the
         last one drafted verified less, was cheaper than predicted and taught the grid that its depth was
         cheap, and it emitted fewer tokens than predicted: on the H200 sweep at 2-4 requests 3-6% too many
-        tokens, steps 2-8% too cheap, and the policy ran deep where K1 was best.)"""
+        tokens, steps 2-8% too cheap, and the policy ran deep where K1 was best.)
+
+        The ranking is the one `learn` prepared for this batch size while the device ran the last step, if
+        there is one: the choice is made on the host between two device steps, so its work adds to every
+        step, and on a host-bound engine (the tiny pair on an H200: ~1 ms steps) ranking here cost ~5% of the
+        throughput (docs/adaptive.md). A prepared ranking has not seen the last step's acceptance yet."""
         K = min(self.K, info.max_k)
         if info.num_verify == 0:
             return K  # nothing to verify: the choice only sets how far EAGLE-3 drafts
         verifiable = min(info.verifiable, K)
-        rates, tokens, seconds = self._predictions(info, K)
+        r = self.prepared.get(info.num_verify) if not info.num_prefill_tokens and K == self.K else None
+        # ... unless that step was a large part of all the evidence (a level's first steps, where one more step
+        # judged on the prior doubles a wrong early signal: tests/test_depth_policies.py); position 1 is judged
+        # by every request that verifies, so its decayed count stands for the estimate's weight
+        if r is None or self.acceptance.reached[0] > (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight:
+            r = self._rank(info.num_verify, K, info.num_prefill_tokens)
         pending, self.pending = self.pending, None
         if pending is not None and pending <= verifiable:
             k, measures = pending, True  # an alternative drafted last step (its budget spent then): measured now
         else:
-            goodput = {k: info.num_verify * tokens[k] / seconds[k] for k in range(min(self.k_min, K), K + 1)}
-            ranked = sorted(goodput, key=lambda k: (goodput[k], -k), reverse=True)
-            alt = self._alternative(ranked, info.num_verify)
-            explored = alt is not None and self._explores(goodput[ranked[0]], goodput[alt])
-            k = alt if explored else ranked[0]
+            explored = r.alt is not None and self._explores(r.near)
+            k = r.alt if explored else r.best
             self.explored += explored
             measures = explored and k <= verifiable
             if explored and not measures:
                 self.pending = k  # deeper than the drafts held: drafted now, verified (measured) next step
         self.decisions += 1
         v = min(k, verifiable)
-        predicted = info.num_verify * tokens[v]
+        predicted = info.num_verify * r.tokens[v]
         self.last = {"k": v, "asked": k, "batch": info.num_verify, "predicted_tokens_per_step": predicted,
-                     "predicted_step_s": seconds[v], "predicted_tokens_per_s": predicted / seconds[v],
+                     "predicted_step_s": r.seconds[v], "predicted_tokens_per_s": predicted / r.seconds[v],
                      "explored": float(measures)}
-        self.last_rates = rates  # named in `describe` (metrics are polled; choices are made every step)
+        self.last_rates = r.rates  # named in `describe` (metrics are polled; choices are made every step)
         return k
 
-    def _alternative(self, ranked: list[int], batch: int) -> int | None:
-        """The best-ranked k after the favourite whose cells were not measured lately: re-measuring what was
-        just measured says little, and when the runner-up is fresh the informative k is often the next one
-        (the other side of the favourite)."""
-        if self.explore.cap <= 0:
-            return None
-        evidence = self.times.evidence(batch)
-        return next((k for k in ranked[1:] if evidence[min(k, self.times.K)] < self.explore.fresh), None)
-
-    def _explores(self, best: float, alternative: float) -> bool:
+    def _explores(self, near: bool) -> bool:
         """Whether this step runs the alternative: by chance (`near` if its predicted goodput is within
         `margin` of the best, `far` otherwise), within the hard budget."""
         e = self.explore
         draw = self.rng.random()  # drawn before the budget check: the budget never shifts later draws
         if self.explored + 1 > e.cap * (self.decisions + 1):
             return False
-        return draw < (e.near if alternative >= (1.0 - e.margin) * best else e.far)
+        return draw < (e.near if near else e.far)
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
         """Count the step and its acceptance now; its time teaches the step-time model at the next `learn` (or
         observe), i.e. while the device runs the next step: it was the larger part of the policy's host time
         per step (benchmarks/host_time.py), and the model it moves changes over tens of steps, so a choice one
-        step behind on it loses nothing. The acceptance estimate is not deferred:
-        at a level's start one more step chosen without the first steps' evidence doubles a wrong early
-        signal (deferred too, the start-up case of tests/test_depth_policies.py held k = 1 17 steps longer
-        and failed)."""
-        self.learn()
+        step behind on it loses nothing. The acceptance estimate is not deferred: at a level's start one more
+        step chosen without the first steps' evidence doubles a wrong early signal (deferred too, the start-up
+        case of tests/test_depth_policies.py held k = 1 17 steps longer and failed). Nor is the tally: the
+        metrics count every step, the last one before the engine idles too."""
+        self._learn_time()  # if the engine did not call `learn` (tests, simulations)
+        # rankings serve the one choice after the step they were prepared during, never older ones
+        self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False
         realized = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
                                self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
         if not info.num_verify:
@@ -510,13 +553,22 @@ class AdaptiveDepth(DepthPolicy):
         self.acceptance.observe(outcome.accepted)
         if outcome.timed:  # k = 0 steps too: they are how the model learns what not speculating costs
             self.unlearnt_time = (outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
-        self.last["realized_tokens_per_step"] = realized
-        self.last["measured_step_s"] = outcome.step_time
+        self.learnt = {"realized_tokens_per_step": realized, "measured_step_s": outcome.step_time}
 
-    def learn(self) -> None:
+    def _learn_time(self) -> None:
         if self.unlearnt_time is not None:
             timing, self.unlearnt_time = self.unlearnt_time, None
             self.times.observe(*timing)
 
+    def learn(self) -> None:
+        """While the device runs a step: the last step's time into the step-time model, then the rankings the
+        next choice will most likely need (this step's batch size, one request fewer or more: a request
+        finishing or one done with its prompt)."""
+        self._learn_time()
+        batch, expected = int(self.last.get("batch", 0)), self._expected()
+        self.prepared = {b: self._rank(b, self.K, expected=expected) for b in (batch - 1, batch, batch + 1)
+                         if b > 0} if batch else {}
+        self._prepared_next, self._prepared_weight = True, self.acceptance.reached[0]
+
     def describe(self) -> dict[str, float]:
-        return {**self.tally.as_dict(), **self.last, **dict(zip(self._rate_keys, self.last_rates))}
+        return {**self.tally.as_dict(), **self.last, **self.learnt, **dict(zip(self._rate_keys, self.last_rates))}

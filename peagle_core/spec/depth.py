@@ -132,7 +132,8 @@ class DepthPolicy:
 
     def learn(self) -> None:
         """Work a policy may leave until the device is busy: the engine calls this while the next step runs
-        (after its launches, before it waits for the results), so it costs the step no host time."""
+        (after its launches, before it waits for the results), so it costs the step no host time. Only while
+        the device is still working on that step: a policy must not rely on it (never on a CPU)."""
 
     def describe(self) -> dict[str, float]:
         """Inputs behind the last choice and the cumulative tally, exported as metrics."""
