@@ -438,7 +438,8 @@ def test_triton_kernels_with_graphs_give_the_reference_greedy_tokens(mode, k):
 def test_live_steps_compile_no_new_triton_variants_whatever_their_sizes(tiny_pair, reference):
     """Prompt chunks (mixed steps) and the verify's sampling run their Triton kernels outside the graphs, at
     sizes and buffer offsets that change step by step. A kernel specialised on those compiled a new variant in
-    the middle of a run, 0.1-0.4 s each on an H200 (docs/adaptive.md); now each compiles at most once."""
+    the middle of a run, 0.1-0.4 s each on an H200 (docs/adaptive.md); now each compiles at most once. (Passed
+    on the H200 without the sampled request and the sampling warm-up; `after == before` is the aim with them.)"""
     from kernels.dispatch import compiled_variants
     from peagle_core.spec.depth import DepthPolicy
 
@@ -453,5 +454,6 @@ def test_live_steps_compile_no_new_triton_variants_whatever_their_sizes(tiny_pai
     llm.engine.policy = Cycle()
     before = compiled_variants()
     drive(llm, reference, seed=3)  # joins every other step: mixed steps of many sizes, batches of 1-6
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8))  # sampled, filtered
     new = {name: n - before.get(name, 0) for name, n in compiled_variants().items() if n > before.get(name, 0)}
     assert sum(new.values()) <= 3 and all(n == 1 for n in new.values()), new

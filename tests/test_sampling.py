@@ -17,6 +17,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from kernel_utils import triton_interpret  # noqa: F401  (fixture)
 from kernels.sampling import rejection_sample_ref, target_probs
 
 V = 8
@@ -243,3 +244,30 @@ def test_target_probs_without_filters_is_the_unfiltered_result_bit_for_bit():
     temperature[::4] = 0.0
     unfiltered = target_probs(logits, temperature, torch.zeros(32, dtype=torch.long), torch.ones(32))
     assert torch.equal(target_probs(logits, temperature, None, None), unfiltered)
+
+
+@pytest.mark.parametrize("triton_on", [True, False])
+def test_the_engine_warms_up_both_sampling_kernel_variants_when_it_runs_triton(tiny_pair, request, monkeypatch,
+                                                                                triton_on):
+    """On CUDA the verify's sampling kernel compiles a variant at first use (greedy, sampled): 0.1-0.4 s inside a
+    live step. The engine runs both once at build (`ModelRunner.warm_up_sampling`); here the same launches run
+    under Triton's interpreter, and nothing runs when the PyTorch reference is in use (nothing to compile)."""
+    from kernels.dispatch import set_triton_enabled, triton_enabled
+    from peagle_core import LLM
+    from peagle_core.engine import model_runner
+
+    if triton_on:
+        request.getfixturevalue("triton_interpret")  # Triton's interpreter on CPU tensors
+    spec = {"method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True}
+    previous = triton_enabled()
+    try:
+        if not triton_on:
+            set_triton_enabled(False)
+        runner = LLM(tiny_pair["target"], device="cpu", speculative_config=spec).engine.runner
+        calls, real = [], model_runner.rejection_sample
+        monkeypatch.setattr(model_runner, "rejection_sample", lambda *a, **kw: calls.append(
+            (float(a[3][0]), a[6] is None)) or real(*a, **kw))
+        runner.warm_up_sampling()
+    finally:
+        set_triton_enabled(previous)
+    assert calls == ([(0.0, True), (1.0, False)] if triton_on else [])

@@ -112,6 +112,7 @@ class LLMEngine:
                                           else not isinstance(policy, FixedDepth))
         self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, budget,
                                                range(1, self.K + 1) if varies else None, self.tp.mirror)
+        self.runner.warm_up_sampling()  # what runs outside the graphs compiles now, not in a request's step
         self.blocks = BlockManager(num_blocks, cfg.block_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
         self.policy = policy or self._default_policy()

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from kernels.dispatch import use_triton
 from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from kernels.sampling import rejection_sample
 from peagle_core.engine.graphs import GraphRunner, is_uniform_decode
@@ -219,6 +220,24 @@ class ModelRunner:
         next_ids = inp.next_ids.clone()
         next_ids[inp.sampling] = next_sampled
         return tokens, num_accepted, next_ids
+
+    @torch.inference_mode()
+    def warm_up_sampling(self) -> None:
+        """Run the verify's sampling once greedy and once sampled (with top-k/top-p) on dummy rows, if it runs
+        the Triton kernel: that compiles per variant at first use, 0.1-0.4 s on an H200 that would otherwise
+        stall a live step (the first sampled request's, say). The graphs' capture warms up what is inside them."""
+        rows, dev = self.K + 1, self.device
+        logits = torch.zeros(rows, self.vocab_size, device=dev)
+        if not use_triton(logits):
+            return
+        draft_ids, cu = torch.full((rows,), -1, dtype=torch.long, device=dev), torch.tensor([0, rows], device=dev)
+        for sampled in (False, True):
+            temperature = torch.full((1,), float(sampled), device=dev)  # 0: greedy
+            noise = (torch.rand(rows, device=dev), torch.ones(rows, self.vocab_size, device=dev)) if sampled \
+                else (None, None)
+            filters = (torch.full((1,), 5, dtype=torch.long, device=dev), torch.full((1,), 0.9, device=dev)) \
+                if sampled else (None, None)
+            rejection_sample(logits, draft_ids, cu, temperature, *filters, *noise, max_rows=rows)
 
     def _noise(self, items: list[Scheduled], cu: list[int], vocab: int):
         """Uniforms and Exp(1) noise per verified row; seeded requests draw from their own generator."""
