@@ -124,7 +124,6 @@ def triton_has_pdl() -> bool:
             and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {}))
 
 
-
 def triton_kernels() -> dict[str, object]:
     """The Triton JIT functions of the loaded `kernels.triton_*` modules, by name (module.function)."""
     import sys
