@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu_run.sh tp-allreduce  # two H200s: a TP=2 step's all-reduces alone, and their share of it
 #   bash benchmarks/gpu_run.sh tp-paths  # two H200s: NCCL's transport between the GPUs; symmetric-memory one-shot
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
-#   bash benchmarks/gpu_run.sh tiny-probes     # one H200: policy_overhead.py at 16 and 4 requests (carry data/heldout.json)
+#   bash benchmarks/gpu_run.sh tiny-probes     # one H200: policy_overhead.py --trace at 16 and 4 requests (carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
 #   bash benchmarks/gpu_run.sh train-speed     # one H200: head-training step times, eager and compiled (carry it too)
 # The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp,
@@ -140,11 +140,13 @@ case "${1:-}" in
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
     ;;
-  tiny-probes)  # one H200: what a varying depth costs the host-bound tiny pair (policy_overhead.py; carry data/heldout.json)
+  tiny-probes)  # one H200: what a varying depth costs the host-bound tiny pair (policy_overhead.py --trace: every
+                # step's parts, adaptive against replay; carry data/heldout.json). ~2 minutes
     for c in 16 4; do
       timeout "${PROBE_TIMEOUT:-200}" python3 benchmarks/policy_overhead.py --out "/tmp/po$c" --concurrency $c \
-        --reps "${REPS:-3}" > "$OUT/policy_overhead_c$c.log" 2>&1
-      cp "/tmp/po$c/policy_overhead.json" "$OUT/policy_overhead_c$c.json"; tail -n 1 "$OUT/policy_overhead_c$c.log"
+        --reps "${REPS:-3}" --policies "${PROBE_POLICIES:-K3,adaptive,replay,adaptive_k3}" --trace \
+        > "$OUT/policy_overhead_c$c.log" 2>&1
+      cp "/tmp/po$c/policy_overhead.json" "$OUT/policy_overhead_c$c.json"; grep -v '^{"policy' "$OUT/policy_overhead_c$c.log" | tail -n 7
     done
     ;;
   pair-pretrain)  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz: `xz -k data/tiny_tokens.pt`,
