@@ -572,13 +572,15 @@ def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_
     batch size it just chose for and one request either side, and the next choice only looks the ranking up
     (on the tiny pair's ~1 ms steps ranking in the choice cost ~5% of the throughput). A ranking that missed
     the last step's acceptance must still give the choice a fresh one would, once the estimate holds many steps."""
+    import random
+
     from peagle_core.spec.adaptive import StepGrid
 
     def run(learn_while_busy: bool) -> tuple[list[int], list[int]]:
         p = AdaptiveDepth(7, StepGrid({b: [1.0 + 0.02 * b + 0.03 * b * k for k in range(8)] for b in (1, 8, 16)}))
         rank, in_choose = p._rank, []
         p._rank = lambda *a, **kw: (in_choose.append(calling[0]), rank(*a, **kw))[1]
-        calling, ks, rng = [False], [], __import__("random").Random(0)
+        calling, ks, rng = [False], [], random.Random(0)
         for step in range(300):
             B = (12, 11, 10, 11)[(step // 7) % 4]  # requests leave and join, one at a time
             calling[0] = True
