@@ -358,3 +358,30 @@ def test_simulation_starts_the_adaptive_policy_from_a_sweeps_recorded_grid(tmp_p
     assert "profiled at start-up" in md and "Prompts of 128 tokens" in md
     assert adaptive_sim.main(["--steps-from", "start-up-grid", "--trace", "synthetic:0.5", "--out",
                               str(out)]) == 2  # needs the sweep's grid
+
+
+def test_step_trace_times_every_step_in_parts_and_puts_the_engine_back(tiny_pair):
+    """`benchmarks/step_trace.py` (policy_overhead.py --trace): one row per engine step that ran, whose parts
+    fit inside its total; the adaptive policy's own calls timed; on exit the engine, runner and policy are
+    exactly as before (the sweeps reuse them); a trace compared with itself is aligned and differs by nothing."""
+    from step_trace import FIELDS, StepTrace, compare, stalls, totals
+
+    spec = {"method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
+            "depth_policy": "adaptive"}
+    llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, speculative_config=spec)
+    engine, policy = llm.engine, llm.engine.policy
+    steps = engine.num_steps
+    with StepTrace(engine) as trace:
+        llm.generate([[1, 2, 3], list(range(10, 40))], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    rows = trace.rows
+    assert len(rows) == engine.num_steps - steps > 0
+    assert any(r["decode"] for r in rows) and not all(r["decode"] for r in rows)  # decode and prompt-chunk steps
+    for r in rows:
+        parts = sum(r.get(f, 0.0) for f in ("choose", "launch", "learn", "wait", "observe"))
+        assert 0 < parts <= r["total"] + 1e-6 and r["choose"] > 0 and r["observe"] > 0
+    assert "step" not in engine.__dict__ and "execute" not in engine.runner.__dict__
+    assert "_to_host" not in engine.runner.__dict__ and not {"choose", "observe", "learn"} & set(policy.__dict__)
+    same = compare(rows, rows)
+    assert same["aligned"] and all(same["all"][f] == 0 for f in FIELDS) and same["median_diff_ms"] == 0
+    assert totals(rows)["steps"] == len(rows) and stalls(rows, ms=1e9) == []
+    assert len(stalls(rows, ms=0.0)) == len(rows)
