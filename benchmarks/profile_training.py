@@ -77,12 +77,17 @@ PYTHON_FRAME = re.compile(r"\.py\(\d+\): |^<built-in ")
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 
+def is_python_frame(e) -> bool:
+    """A Python frame recorded by `with_stack`, not an operator (torch 2.11's events lack `is_python_function`)."""
+    return bool(getattr(e, "is_python_function", False) or PYTHON_FRAME.search(e.name))
+
+
 def call_site(e) -> str:
     """The backward node that ran operator event `e`, else the innermost repository (or torch.optim) frame above it."""
     while e is not None:
         if e.name.startswith(BACKWARD_NODE):
             return "backward: " + e.name[len(BACKWARD_NODE):]
-        if e.is_python_function and SITE_FRAME.search(e.name):
+        if is_python_frame(e) and SITE_FRAME.search(e.name):
             return e.name
         e = e.cpu_parent
     return "(no repository frame)"
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             Trainer.step = step
     recorded = walls[a.skip:]
     events = prof.key_averages()
-    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and not e.is_python_function]
+    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU and not is_python_frame(e)]
     passes = sum(r["passes"] for r in records[a.skip:])
     elements = sum(r["elements"] for r in records[a.skip:])
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peagle_core.loading.checkpoint import load_drafter, load_target
-from peagle_core.models.layers import ForwardMeta
+from peagle_core.models.layers import ForwardMeta, masked_attention
 from peagle_core.testing import build_target, tiny_target_config
 from peagle_core.training.data import Example, greedy_generate, load_examples, read_jsonl, regenerate, render_chat
 from peagle_core.training.eagle3 import eagle3_pass_loss, eagle3_unroll
@@ -83,6 +83,33 @@ def test_mask_equals_direct_rule(n, K, r, r_min):
                            for i in range(len(p))])
     assert torch.equal(peagle_mask(p.key, p.depth, p.start), packed)
     assert torch.equal(p.row - p.key + p.start, 100 * unit)  # feature rows follow each unit's sequence start
+
+
+
+@pytest.mark.parametrize("T,S", [(13, 13), (7, 20), (16, 16)])
+def test_masked_attention_padded_to_a_bucket_gives_the_same_outputs_and_gradients(T, S):
+    """The shape buckets that keep cuDNN's per-shape graphs few change nothing: the padded queries and keys
+    neither leak into real rows nor pass gradient back (a P-EAGLE mask; EAGLE-3's [T, prefix + T] too)."""
+    g = torch.Generator().manual_seed(T * 100 + S)
+    if T == S:
+        anchor, depth = cod_sample(T, 4, 0.8, 0.2, g)
+        T = S = len(anchor)
+        mask = peagle_mask(anchor, depth, torch.zeros_like(anchor))
+    else:
+        mask = torch.rand(T, S, generator=g) < 0.5
+        mask[:, 0] = True  # every real query sees a key, as in training
+    assert T % 8 and S % 8  # the bucket below pads both
+    q = torch.randn(T, 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(S, 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn(T, 4, 8, generator=g)
+    results = []
+    for bucket in (1, 8):
+        out = masked_attention(q, k, v, mask, 0.35, bucket=bucket)
+        grads = torch.autograd.grad((out * dout).sum(), (q, k, v))
+        results.append((out, *grads))
+    for exact, padded in zip(*results):
+        assert padded.shape == exact.shape
+        torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
