@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
 #   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz)
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
+#   bash benchmarks/gpu_run.sh peagle-layers  # two H200s: the same responses, then P-EAGLE heads of 4 and 3 layers
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
 #   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
@@ -47,6 +48,19 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
     > "$OUT/$name.log" 2>&1
   tail -n 3 "$OUT/$name.log"
   tar czf "$OUT/$name.tgz" -C "$dir" peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
+}
+
+regen_big() {  # two H200s: the target answers data/big's prompts (one shard a GPU) into /tmp/regen_big.jsonl
+  for i in 0 1; do
+    CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
+      --target "${TARGET:-peagle_core/assets/tiny/target}" --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
+      --regen-shard "$i/2" --regen-minutes "${REGEN_MINUTES:-2.2}" --regen-batch 512 > "$OUT/regen$i.log" 2>&1 &
+  done
+  wait
+  tail -n 2 "$OUT"/regen?.log
+  grep -h '}$' /tmp/regen0/regen.jsonl /tmp/regen1/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
+  [ "$(wc -l < /tmp/regen_big.jsonl)" -ge 2000 ] || cp data/regen.jsonl /tmp/regen_big.jsonl  # (carry it)
+  wc -l /tmp/regen_big.jsonl
 }
 
 case "${1:-}" in
@@ -163,21 +177,29 @@ case "${1:-}" in
   pair-heads)  # two H200s: the target answers many more prompts (one shard a GPU; carry data/big, written by
                # `prepare_data.py --out data/big --per-doc 12 --num-prompts 100000 --num-code-prompts 100000`),
                # then the P-EAGLE and EAGLE-3 heads, one a GPU
-    for i in 0 1; do
-      CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
-        --target "${TARGET:-peagle_core/assets/tiny/target}" --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
-        --regen-shard "$i/2" --regen-minutes "${REGEN_MINUTES:-2.2}" --regen-batch 512 > "$OUT/regen$i.log" 2>&1 &
-    done
-    wait
-    tail -n 2 "$OUT"/regen?.log
-    grep -h '}$' /tmp/regen0/regen.jsonl /tmp/regen1/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
-    [ "$(wc -l < /tmp/regen_big.jsonl)" -ge 2000 ] || cp data/regen.jsonl /tmp/regen_big.jsonl  # (carry it)
-    wc -l /tmp/regen_big.jsonl
+    regen_big
     # one process a GPU: two training processes time-sharing one GPU ran 3-5x slower per token (train_speed.md)
     REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads /tmp/heads \
       --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
       --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}" --peagle-layers "${PEAGLE_LAYERS:-2}" \
       ${HEADS_INIT:+--init-heads "$HEADS_INIT"}  # HEADS_INIT=DIR (carry it): continue from DIR's peagle/ and eagle3/
+    ;;
+  peagle-layers)  # two H200s: regenerate as pair-heads does, then two fresh P-EAGLE heads side by side, one a GPU,
+                  # with LAYERS_A and LAYERS_B layers (default 4 and 3), pair-heads' settings otherwise
+    regen_big
+    layers=("${LAYERS_A:-4}" "${LAYERS_B:-3}")
+    mkdir -p "/tmp/peagle_l${layers[0]}" "/tmp/peagle_l${layers[1]}"
+    for i in 0 1; do
+      CUDA_VISIBLE_DEVICES=$i PEAGLE_TRITON=0 timeout "${HEADS_TIMEOUT:-360}" python3 -m peagle_core.training.cli train \
+        --target "${TARGET:-peagle_core/assets/tiny/target}" --data /tmp/regen_big.jsonl --method peagle --num-depths 8 \
+        --layers "${layers[$i]}" --mask-token-id 9 --steps 100000 --batch-size "${HEAD_BATCH:-64}" --max-len 896 \
+        --lr "${HEAD_LR:-2e-3}" --warmup-ratio 0.05 --aux-layers "${AUX:-1,3,5}" --intermediate-size 768 \
+        --share-target-embeddings --no-progress --time-budget-minutes "${HEAD_MINUTES:-5}" \
+        --out "/tmp/peagle_l${layers[$i]}" --log-jsonl "/tmp/peagle_l${layers[$i]}/train.jsonl" > "$OUT/peagle_l${layers[$i]}.log" 2>&1 &
+    done
+    wait
+    tail -n 2 "$OUT"/peagle_l*.log
+    tar czf "$OUT/peagle_layers.tgz" -C /tmp "peagle_l${layers[0]}" "peagle_l${layers[1]}"
     ;;
   train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
                 # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)
@@ -200,5 +222,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac
