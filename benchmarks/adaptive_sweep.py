@@ -591,6 +591,22 @@ def combine_rounds(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def run_order(policies: list[str], levels: list[int], rounds: int, shared_engine: bool
+              ) -> Iterator[tuple[int, str, list[int]]]:
+    """(round, policy, its levels) in the order the sweep runs them.
+
+    With an engine per policy, each policy runs every level on its own build. With --shared-engine, the order is
+    level-major: every policy at one level, back to back, then the next level. The policies' order rotates each
+    round. A level's cells are then seconds apart on one build, not a whole pass over the levels apart. The
+    host's drift, which the rounds showed to be larger than the policies' differences, hardly separates them."""
+    for rnd in range(rounds):
+        if not shared_engine:
+            yield from ((rnd, p, list(levels)) for p in policies)
+            continue
+        turn = policies[rnd % len(policies):] + policies[:rnd % len(policies)]
+        yield from ((rnd, p, [C]) for C in levels for p in turn)
+
+
 def level_only(policy) -> None:
     """The adaptive policy as it was before its step-time grid learnt the shape across k: live steps rescale
     the grid's rows (the level) only, and it never explores. For before/after cells in one sweep."""
@@ -696,8 +712,8 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         started = time.perf_counter()
     table = batch_table
     shared = None  # --shared-engine: (round, engine, replay, its adaptive policy as built)
-    for rnd, policy in ((r, p) for r in range(a.rounds) for p in order):
-        todo = [C for C in a.concurrency if (policy, C, rnd) not in done]
+    for rnd, policy, levels in run_order(order, a.concurrency, a.rounds, a.shared_engine):
+        todo = [C for C in levels if (policy, C, rnd) not in done]
         if not todo:
             continue
         if time.perf_counter() - started > a.time_budget_s:
@@ -1123,8 +1139,9 @@ def parser() -> argparse.ArgumentParser:
                    help="tokens of an untimed warm-up wave per level (default: 16 on CUDA, where a level's first "
                         "steps would otherwise time Triton compiling its prefill shapes; 0 on a CPU)")
     s.add_argument("--shared-engine", action="store_true",
-                   help="one depth-K engine a round, every policy swapped into it (K<k> and adaptive only): for "
-                        "host-bound engines, whose builds differ in host speed more than the policies do")
+                   help="one depth-K engine a round, every policy swapped into it (K<k> and adaptive only), "
+                        "level by level (every policy at a level back to back): for host-bound engines, whose "
+                        "builds and moments differ in host speed more than the policies do")
     s.add_argument("--warm-policy", action="store_true",
                    help="measure each level from the policy state its warm-up wave learnt (steady state at C: "
                         "a long-running server's policy has seen the load before) instead of the start-up state "

@@ -143,15 +143,20 @@ def test_shared_engine_rounds_build_one_engine_a_round_and_pair_the_ratios(tmp_p
     """--shared-engine: each round builds one depth-K engine and swaps every policy into it (a fixed k drafts k
     on it), and the report pairs adaptive with the best fixed K round by round."""
     out = tmp_path / "shared"
-    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2,1",
                  "--max-tokens", "6", "--waves", "1", "--prompt-len", "8", "--policies", "K1,K3,adaptive",
                  "--rounds", "2", "--shared-engine", "--out", str(out)])
     assert rc == 0
-    builds = [line for line in capsys.readouterr().err.splitlines() if "engine built" in line]
-    assert len(builds) == 6 and sum(" 0.0s " not in line for line in builds) <= 2  # one real build a round
+    err = capsys.readouterr().err.splitlines()
+    builds = [line for line in err if "engine built" in line]
+    assert len(builds) == 12 and sum(" 0.0s " not in line for line in builds) <= 2  # one real build a round
+    # level by level, the policies' order rotated each round
+    ran = [tuple(line.split()[1:3]) for line in err if line.startswith("[sweep]") and " C=" in line]
+    assert ran == [(p, f"C={c}") for turn in (["K1", "K3", "adaptive"], ["K3", "adaptive", "K1"])
+                   for c in (2, 1) for p in turn]
     res = json.loads((out / "sweep.json").read_text())
     assert res["shared_engine"] is True
-    rounds = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
+    rounds = {(c["policy"], c["round"]): c for c in res["cells_by_round"] if c["concurrency"] == 2}
     assert all(c["K"] == 3 for c in rounds.values())  # every policy on the depth-3 engine
     assert rounds[("K1", 0)]["mean_k"] == 1 and rounds[("K3", 1)]["mean_k"] == 3
     md = (out / "sweep.md").read_text()
