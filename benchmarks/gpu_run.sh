@@ -38,7 +38,8 @@ sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive` (settings
     ${SWEEP_ARGS:-} --out "$1"
 }
 GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
-           tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py"
+           tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py
+           tests/test_training.py"
 
 train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; its log and a tarball into $OUT
   local dir=$1 name; name=$(basename "$1"); shift

@@ -112,6 +112,29 @@ def test_masked_attention_padded_to_a_bucket_gives_the_same_outputs_and_gradient
         torch.testing.assert_close(padded, exact, rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_masked_attention_default_bucket_on_cuda_equals_unpadded_bf16():
+    """On CUDA (cuDNN's attention, bf16 as training autocasts it) the default 1024-bucket gives the unpadded
+    call's outputs and gradients, for a packed P-EAGLE pass whose length is no multiple of the bucket."""
+    from peagle_core.models.layers import MASKED_ATTENTION_BUCKET
+
+    g = torch.Generator().manual_seed(0)
+    samples = [cod_sample(n, 8, 0.8, 0.2, g) for n in (300, 517, 129)]
+    (p,) = plan_passes(samples, [torch.ones(n, dtype=torch.bool) for n in (300, 517, 129)], [0, 300, 817],
+                       max_elements=10**6)
+    assert len(p) % MASKED_ATTENTION_BUCKET
+    mask = peagle_mask(p.key, p.depth, p.start).cuda()
+    q, k, v = (torch.randn(len(p), h, 32, generator=g).cuda().bfloat16().requires_grad_() for h in (8, 2, 2))
+    dout = torch.randn(len(p), 8, 32, generator=g).cuda().bfloat16()
+    results = []
+    for bucket in (1, None):
+        out = masked_attention(q, k, v, mask, 32 ** -0.5, bucket=bucket)
+        results.append((out, *torch.autograd.grad((out * dout).sum(), (q, k, v))))
+    for exact, padded in zip(*results):
+        torch.testing.assert_close(padded.float(), exact.float(), rtol=2e-2, atol=2e-2)
+
 # --------------------------------------------------------------------------------------------
 # COD sampling
 # --------------------------------------------------------------------------------------------
