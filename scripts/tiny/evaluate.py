@@ -83,6 +83,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"Machine: {meta['machine']}; torch {meta['torch']}; {meta['date']}.", "",
              f"Command: `{meta['command']}`", "",
              "Greedy, all prompts of a set batched together; tok/s is output tokens over wall time for the whole set.", "",
+             f"![per-position acceptance]({meta['plot']})", "",
              "| dataset | method | K | acceptance length | per-position acceptance | tok/s | identical to plain |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -91,6 +92,33 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"{r['tokens_per_s']:.1f} | "
                      f"{r['identical_to_plain']}/{r['prompts']} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Per-position acceptance (the share of steps that accept at least i drafts), one panel per set: a line per
+    head and K, so the heads' fall-off with depth shows at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(dict.fromkeys(r["dataset"] for r in rows))
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
+    colors = {"peagle": "tab:blue", "eagle3": "tab:orange"}
+    ks = sorted({r["k"] for r in rows if r["per_position_acceptance"]})
+    for ax, name in zip(axes[0], sets):
+        for r in rows:
+            if r["dataset"] == name and r["per_position_acceptance"]:
+                per = r["per_position_acceptance"]
+                ax.plot(range(1, len(per) + 1), per, marker="o", color=colors.get(r["method"], "gray"),
+                        alpha=0.4 + 0.6 * (ks.index(r["k"]) + 1) / len(ks),
+                        label=f"{r['method']} K={r['k']} (AL {r['acceptance_length']:.2f})")
+        ax.set(title=name, xlabel="draft position", ylabel="share of steps accepting it", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -110,6 +138,8 @@ def main() -> None:
             "command": "python " + " ".join(sys.argv)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    meta["plot"] = out.with_suffix(".png").name
+    plot(rows, out.with_suffix(".png"))
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     out.with_suffix(".md").write_text(markdown(rows, meta))
     print(markdown(rows, meta))
