@@ -52,6 +52,8 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
 }
 
 regen_big() {  # two H200s: the target answers data/big's prompts (one shard a GPU) into /tmp/regen_big.jsonl
+  # data/big.tar.xz (`tar cJf data/big.tar.xz -C data big`, 2 MB instead of 11) leaves room in the carry for heads
+  [ -d data/big ] || tar xJf data/big.tar.xz -C data || return 1
   for i in 0 1; do
     CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
       --target "${TARGET:-peagle_core/assets/tiny/target}" --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
