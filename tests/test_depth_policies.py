@@ -598,3 +598,38 @@ def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_
     assert all(ranked_fresh)  # without `learn`, every choice ranks
     assert sum(ranked_busy[-200:]) == 0  # steady: every choice found its ranking prepared
     assert sum(a == b for a, b in zip(fresh[-200:], busy[-200:])) >= 190  # and chose as a fresh one would
+
+
+def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order():
+    """A step with prompt tokens is host-bound, so the engine does not call `learn` in it; its `observe` must not
+    learn the decode step before it either (that put ~30 us on such a step's critical path on the H200). The times
+    wait, and the next `learn` (or a decode step's `observe`, where `learn` did not run) takes them in the order
+    the steps ran; a long run of prompt steps cannot pile up more than MAX_UNLEARNT of them."""
+    from peagle_core.spec.adaptive import MAX_UNLEARNT, StepGrid
+
+    def policy() -> tuple[AdaptiveDepth, list[tuple]]:
+        p = AdaptiveDepth(3, StepGrid({b: [1.0 + 0.1 * b + 0.2 * k for k in range(4)] for b in (1, 4)}))
+        seen: list[tuple] = []
+        observe = p.times.observe
+        p.times.observe = lambda *t: (seen.append(t), observe(*t))[1]
+        return p, seen
+
+    def step(p, B: int, prompt: int, seconds: float) -> None:
+        info = StepInfo(B, prompt, 3)
+        k = p.choose(info)
+        p.observe(info, StepOutcome(k, [(k, 1)] * B, seconds, B * (1 + k) + prompt))
+
+    p, seen = policy()
+    step(p, 4, 0, 2.0)          # a decode step: its time waits for `learn`
+    step(p, 4, 32, 3.0)         # prompt steps: nothing learnt on their critical path
+    step(p, 4, 32, 3.5)
+    assert seen == [] and [t[2] for t in p.unlearnt] == [2.0, 3.0, 3.5]
+    p.learn()                   # the next step, on the device: all three, oldest first
+    assert [t[2] for t in seen] == [2.0, 3.0, 3.5] and p.unlearnt == []
+    step(p, 4, 0, 2.5)
+    step(p, 4, 0, 2.6)          # no `learn` between two decode steps: the first is learnt in the second's observe
+    assert [t[2] for t in seen] == [2.0, 3.0, 3.5, 2.5]
+    p, seen = policy()
+    for _ in range(3 * MAX_UNLEARNT):
+        step(p, 4, 32, 3.0)
+    assert len(p.unlearnt) <= MAX_UNLEARNT and len(seen) + len(p.unlearnt) == 3 * MAX_UNLEARNT

@@ -135,6 +135,9 @@ class StepTimeModel:
         self.times = rescaled(self.times, ratio, self.smoothing)
 
 
+# Step times `AdaptiveDepth.observe` may leave for `learn` through a run of steps with prompt tokens.
+MAX_UNLEARNT = 16
+
 # A ranking prepared while the device ran the last step serves the next choice unless that step added more
 # than this share to the acceptance evidence (`AdaptiveDepth.choose`).
 PREPARED_NEW_EVIDENCE = 0.1
@@ -448,7 +451,7 @@ class AdaptiveDepth(DepthPolicy):
         self.rng = random.Random(self.explore.seed)
         self.decisions = self.explored = 0  # decode-step choices, and how many of them explored
         self.pending: int | None = None  # a deeper alternative drafted this step, to measure (verify) in the next
-        self.unlearnt_time: tuple[int, int, float, int] | None = None  # the last step's time, until `learn`
+        self.unlearnt: list[tuple[int, int, float, int]] = []  # step times not yet in the model, until `learn`
         self.prepared: dict[int, Ranking] = {}  # batch size -> ranking, worked out by `learn` for the next choice
         self._prepared_next = False  # `learn` prepared them during the step now being observed
         self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
@@ -542,8 +545,14 @@ class AdaptiveDepth(DepthPolicy):
         step behind on it loses nothing. The acceptance estimate is not deferred: at a level's start one more
         step chosen without the first steps' evidence doubles a wrong early signal (deferred too, the start-up
         case of tests/test_depth_policies.py held k = 1 17 steps longer and failed). Nor is the tally: the
-        metrics count every step, the last one before the engine idles too."""
-        self._learn_time()  # if the engine did not call `learn` (tests, simulations)
+        metrics count every step, the last one before the engine idles too.
+
+        Times not learnt yet are learnt here only after a decode step (the engine did not call `learn`: tests,
+        simulations, host-bound steps). After a step with prompt tokens they wait for the next `learn`. The
+        engine skips `learn` in those steps, whose device work ends before the host's, so learning the decode
+        step before them here put ~30 us on their critical path on the H200 (`tiny_step_trace.json`)."""
+        if not info.num_prefill_tokens or len(self.unlearnt) >= MAX_UNLEARNT:
+            self._learn_time()
         # rankings serve the one choice after the step they were prepared during, never older ones
         self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False
         realized = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
@@ -552,12 +561,12 @@ class AdaptiveDepth(DepthPolicy):
             return  # a prefill-only step: nothing could be judged (no sign a position went unjudged) or timed
         self.acceptance.observe(outcome.accepted)
         if outcome.timed:  # k = 0 steps too: they are how the model learns what not speculating costs
-            self.unlearnt_time = (outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify)
+            self.unlearnt.append((outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify))
         self.learnt = {"realized_tokens_per_step": realized, "measured_step_s": outcome.step_time}
 
     def _learn_time(self) -> None:
-        if self.unlearnt_time is not None:
-            timing, self.unlearnt_time = self.unlearnt_time, None
+        timings, self.unlearnt = self.unlearnt, []
+        for timing in timings:  # in the order the steps ran
             self.times.observe(*timing)
 
     def learn(self) -> None:
