@@ -550,7 +550,7 @@ class AdaptiveDepth(DepthPolicy):
         Times not learnt yet are learnt here only after a decode step (the engine did not call `learn`: tests,
         simulations, host-bound steps). After a step with prompt tokens they wait for the next `learn`. The
         engine skips `learn` in those steps, whose device work ends before the host's, so learning the decode
-        step before them here put ~30 us on their critical path on the H200 (`tiny_step_trace.json`)."""
+        step before them here put ~40 us on their critical path on the H200 (`tiny_step_trace.json`)."""
         if not info.num_prefill_tokens or len(self.unlearnt) >= MAX_UNLEARNT:
             self._learn_time()
         # rankings serve the one choice after the step they were prepared during, never older ones
