@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
 #   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz)
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
-#   bash benchmarks/gpu_run.sh peagle-layers  # two H200s: the same responses, then P-EAGLE heads of 4 and 3 layers
+#   bash benchmarks/gpu_run.sh peagle-layers  # two H200s: the same responses, then two P-EAGLE heads (LAYERS_A/B, EXTRA_A/B)
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
 #   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
@@ -187,22 +187,23 @@ case "${1:-}" in
       --head-minutes "${HEAD_MINUTES:-5}" --aux-layers "${AUX:-1,3,5}" --peagle-layers "${PEAGLE_LAYERS:-2}" \
       ${HEADS_INIT:+--init-heads "$HEADS_INIT"}  # HEADS_INIT=DIR (carry it): continue from DIR's peagle/ and eagle3/
     ;;
-  peagle-layers)  # two H200s: regenerate as pair-heads does, then two fresh P-EAGLE heads side by side, one a GPU,
-                  # with LAYERS_A and LAYERS_B layers (default 4 and 3), pair-heads' settings otherwise
+  peagle-layers)  # two H200s: regenerate as pair-heads does, then two P-EAGLE heads side by side, one a GPU, with
+                  # LAYERS_A and LAYERS_B layers (default 4 and 3) and EXTRA_A / EXTRA_B more `peagle train` arguments
+                  # each (e.g. "--cod-ratio 1.0", "--init DIR": carry DIR), pair-heads' settings otherwise
     regen_big
-    layers=("${LAYERS_A:-4}" "${LAYERS_B:-3}")
-    mkdir -p "/tmp/peagle_l${layers[0]}" "/tmp/peagle_l${layers[1]}"
+    layers=("${LAYERS_A:-4}" "${LAYERS_B:-3}") extra=("${EXTRA_A:-}" "${EXTRA_B:-}") name=(peagle_a peagle_b)
     for i in 0 1; do
+      mkdir -p "/tmp/${name[$i]}"
       CUDA_VISIBLE_DEVICES=$i PEAGLE_TRITON=0 timeout "${HEADS_TIMEOUT:-360}" python3 -m peagle_core.training.cli train \
         --target "${TARGET:-peagle_core/assets/tiny/target}" --data /tmp/regen_big.jsonl --method peagle --num-depths 8 \
         --layers "${layers[$i]}" --mask-token-id 9 --steps 100000 --batch-size "${HEAD_BATCH:-64}" --max-len 896 \
         --lr "${HEAD_LR:-2e-3}" --warmup-ratio 0.05 --aux-layers "${AUX:-1,3,5}" --intermediate-size 768 \
-        --share-target-embeddings --no-progress --time-budget-minutes "${HEAD_MINUTES:-5}" \
-        --out "/tmp/peagle_l${layers[$i]}" --log-jsonl "/tmp/peagle_l${layers[$i]}/train.jsonl" > "$OUT/peagle_l${layers[$i]}.log" 2>&1 &
+        --share-target-embeddings --no-progress --time-budget-minutes "${HEAD_MINUTES:-5}" ${extra[$i]} \
+        --out "/tmp/${name[$i]}" --log-jsonl "/tmp/${name[$i]}/train.jsonl" > "$OUT/${name[$i]}.log" 2>&1 &
     done
     wait
-    tail -n 2 "$OUT"/peagle_l*.log
-    tar czf "$OUT/peagle_layers.tgz" -C /tmp "peagle_l${layers[0]}" "peagle_l${layers[1]}"
+    tail -n 2 "$OUT"/peagle_?.log
+    tar czf "$OUT/peagle_heads.tgz" -C /tmp peagle_a peagle_b
     ;;
   train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
                 # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)
