@@ -570,9 +570,9 @@ class AdaptiveDepth(DepthPolicy):
             self.times.observe(*timing)
 
     def learn(self) -> None:
-        """While the device runs a step: the last step's time into the step-time model, then the rankings the
-        next choice will most likely need (this step's batch size, one request fewer or more: a request
-        finishing or one done with its prompt)."""
+        """While the device runs a step: the step times not learnt yet into the step-time model, then the
+        rankings the next choice will most likely need (this step's batch size, one request fewer or more: a
+        request finishing or one done with its prompt)."""
         self._learn_time()
         batch, expected = int(self.last.get("batch", 0)), self._expected()
         self.prepared = {b: self._rank(b, self.K, expected=expected) for b in (batch - 1, batch, batch + 1)
