@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
 #   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz)
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
-#   bash benchmarks/gpu_run.sh peagle-layers  # two H200s: the same responses, then two P-EAGLE heads (LAYERS_A/B, EXTRA_A/B)
+#   bash benchmarks/gpu_run.sh peagle-layers  # two H200s (or one: head A): the same responses, then P-EAGLE heads (LAYERS_A/B, EXTRA_A/B)
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
 #   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
@@ -51,17 +51,23 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
   tar czf "$OUT/$name.tgz" -C "$dir" peagle eagle3 peagle_train.jsonl eagle3_train.jsonl train_report.json
 }
 
-regen_big() {  # two H200s: the target answers data/big's prompts (one shard a GPU) into /tmp/regen_big.jsonl
+NGPU=$(nvidia-smi -L | wc -l)
+regen_big() {  # every GPU: the target answers data/big's prompts (one shard a GPU) into /tmp/regen_big.jsonl.
+  # The prompts split into REGEN_SHARDS shards (default: one a GPU); GPU i answers shard REGEN_FIRST + i, so calls
+  # on one GPU can take disjoint prompts (REGEN_SHARDS=2, REGEN_FIRST=0 then 1).
   # data/big.tar.xz (`tar cJf data/big.tar.xz -C data big`, 2 MB instead of 11) leaves room in the carry for heads
   [ -d data/big ] || tar xJf data/big.tar.xz -C data || return 1
-  for i in 0 1; do
+  local shards=${REGEN_SHARDS:-$NGPU} first=${REGEN_FIRST:-0}
+  if ((first + NGPU > shards)); then echo "regen_big: shards $first..$((first + NGPU - 1)) of $shards do not exist" >&2; return 1; fi
+  for ((i = 0; i < NGPU; i++)); do
     CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
       --target "${TARGET:-peagle_core/assets/tiny/target}" --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
-      --regen-shard "$i/2" --regen-minutes "${REGEN_MINUTES:-2.2}" --regen-batch 512 > "$OUT/regen$i.log" 2>&1 &
+      --regen-shard "$((first + i))/$shards" --regen-minutes "${REGEN_MINUTES:-2.2}" --regen-batch 512 \
+      > "$OUT/regen$i.log" 2>&1 &
   done
   wait
   tail -n 2 "$OUT"/regen?.log
-  grep -h '}$' /tmp/regen0/regen.jsonl /tmp/regen1/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
+  grep -h '}$' /tmp/regen?/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
   [ "$(wc -l < /tmp/regen_big.jsonl)" -ge 2000 ] || cp data/regen.jsonl /tmp/regen_big.jsonl  # (carry it)
   wc -l /tmp/regen_big.jsonl
 }
@@ -180,7 +186,7 @@ case "${1:-}" in
   pair-heads)  # two H200s: the target answers many more prompts (one shard a GPU; carry data/big, written by
                # `prepare_data.py --out data/big --per-doc 12 --num-prompts 100000 --num-code-prompts 100000`),
                # then the P-EAGLE and EAGLE-3 heads, one a GPU
-    regen_big
+    regen_big || exit 1
     # one process a GPU: two training processes time-sharing one GPU ran 3-5x slower per token (train_speed.md)
     REGEN_DATA=/tmp/regen_big.jsonl HEADS_TIMEOUT=${HEADS_TIMEOUT:-360} train_heads /tmp/heads \
       --head-steps 100000 --head-batch-size "${HEAD_BATCH:-64}" --head-lr "${HEAD_LR:-2e-3}" \
@@ -189,10 +195,11 @@ case "${1:-}" in
     ;;
   peagle-layers)  # two H200s: regenerate as pair-heads does, then two P-EAGLE heads side by side, one a GPU, with
                   # LAYERS_A and LAYERS_B layers (default 4 and 3) and EXTRA_A / EXTRA_B more `peagle train` arguments
-                  # each (e.g. "--cod-ratio 1.0", "--init DIR": carry DIR), pair-heads' settings otherwise
-    regen_big
+                  # each (e.g. "--cod-ratio 1.0", "--init DIR": carry DIR), pair-heads' settings otherwise.
+                  # On one H200 only head A trains
+    regen_big || exit 1
     layers=("${LAYERS_A:-4}" "${LAYERS_B:-3}") extra=("${EXTRA_A:-}" "${EXTRA_B:-}") name=(peagle_a peagle_b)
-    for i in 0 1; do
+    for ((i = 0; i < NGPU && i < 2; i++)); do
       mkdir -p "/tmp/${name[$i]}"
       CUDA_VISIBLE_DEVICES=$i PEAGLE_TRITON=0 timeout "${HEADS_TIMEOUT:-360}" python3 -m peagle_core.training.cli train \
         --target "${TARGET:-peagle_core/assets/tiny/target}" --data /tmp/regen_big.jsonl --method peagle --num-depths 8 \
@@ -203,7 +210,7 @@ case "${1:-}" in
     done
     wait
     tail -n 2 "$OUT"/peagle_?.log
-    tar czf "$OUT/peagle_heads.tgz" -C /tmp peagle_a peagle_b
+    tar czf "$OUT/peagle_heads.tgz" -C /tmp $(cd /tmp && ls -d peagle_a peagle_b 2>/dev/null)
     ;;
   train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
                 # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)

@@ -128,10 +128,12 @@ def main() -> None:
     ap.add_argument("--pair", default=str(Path(__file__).resolve().parents[2] / "peagle_core/assets/tiny"))
     ap.add_argument("--prompts", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ks", default="3,5,7", help="speculation depths to evaluate, comma-separated")
     ap.add_argument("--out", default="docs/benchmarks/tiny_pair")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
-    rows = evaluate(Path(args.pair), args.prompts, args.max_tokens, device=args.device, max_num_seqs=64,
+    ks = tuple(int(k) for k in args.ks.split(","))
+    rows = evaluate(Path(args.pair), args.prompts, args.max_tokens, ks, device=args.device, max_num_seqs=64,
                     max_model_len=1024)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
