@@ -67,7 +67,8 @@ regen_big() {  # every GPU: the target answers data/big's prompts (one shard a G
   done
   wait
   tail -n 2 "$OUT"/regen?.log
-  grep -h '}$' /tmp/regen?/regen.jsonl > /tmp/regen_big.jsonl  # whole records only
+  local files=(); for ((i = 0; i < NGPU; i++)); do files+=("/tmp/regen$i/regen.jsonl"); done  # this call's only
+  grep -h '}$' "${files[@]}" > /tmp/regen_big.jsonl  # whole records only
   [ "$(wc -l < /tmp/regen_big.jsonl)" -ge 2000 ] || cp data/regen.jsonl /tmp/regen_big.jsonl  # (carry it)
   wc -l /tmp/regen_big.jsonl
 }
