@@ -615,7 +615,7 @@ def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order(
         return p, seen
 
     def step(p, B: int, prompt: int, seconds: float) -> None:
-        info = StepInfo(B, prompt, 3)
+        info = StepInfo(B, 0, 3)  # as the engine passes it: k is chosen before the prompt tokens are scheduled
         k = p.choose(info)
         p.observe(info, StepOutcome(k, [(k, 1)] * B, seconds, B * (1 + k) + prompt))
 

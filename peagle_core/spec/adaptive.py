@@ -19,7 +19,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome
+from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome, is_decode_step
 
 
 @dataclass
@@ -262,7 +262,7 @@ class StepGrid:
         return out[:max_k + 1] + [out[-1]] * (max_k - self.K)
 
     def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
-        if batch <= 0 or k > self.K or num_tokens > batch * (1 + k) or seconds <= 0:
+        if batch <= 0 or k > self.K or not is_decode_step(num_tokens, batch, k) or seconds <= 0:
             return  # a step with prompt tokens in it does not measure T(B, k)
         interpolation = self._weights(batch)
         weights = [(r, w) for r, w in interpolation if 0 < w <= 1]
@@ -548,10 +548,11 @@ class AdaptiveDepth(DepthPolicy):
         metrics count every step, the last one before the engine idles too.
 
         Times not learnt yet are learnt here only after a decode step (the engine did not call `learn`: tests,
-        simulations, host-bound steps). After a step with prompt tokens they wait for the next `learn`. The
+        simulations, host-bound steps). After a step with prompt tokens (told by its token count: the engine
+        passes `num_prefill_tokens=0`, as it chooses before it schedules) they wait for the next `learn`. The
         engine skips `learn` in those steps, whose device work ends before the host's, so learning the decode
         step before them here put ~40 us on their critical path on the H200 (`tiny_step_trace.json`)."""
-        if not info.num_prefill_tokens or len(self.unlearnt) >= MAX_UNLEARNT:
+        if is_decode_step(outcome.num_tokens, info.num_verify, outcome.k) or len(self.unlearnt) >= MAX_UNLEARNT:
             self._learn_time()
         # rankings serve the one choice after the step they were prepared during, never older ones
         self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False

@@ -26,6 +26,12 @@ class StepInfo:
         return self.max_k if self.drafts is None else min(self.drafts, self.max_k)
 
 
+def is_decode_step(num_tokens: int, num_verify: int, k: int) -> bool:
+    """Whether a step fed only its verifying requests' tokens (1 + k each): no prompt tokens. The engine decides
+    k before it schedules, so `StepInfo.num_prefill_tokens` cannot say this; the step's token count can."""
+    return num_tokens <= num_verify * (1 + k)
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     k: int                           # drafts the step verified (min of the choice and the drafts held)
@@ -87,7 +93,7 @@ class DepthTally:
         realized += ones
         self.realized_tokens += realized
         self.step_seconds += outcome.step_time
-        if outcome.timed and outcome.num_tokens <= info.num_verify * (1 + k):
+        if outcome.timed and is_decode_step(outcome.num_tokens, info.num_verify, k):
             _bump(self.decode_steps_at_k, k)
             _bump(self.decode_seconds_at_k, k, outcome.step_time)
             _bump(self.decode_drafted_at_k, k, outcome.drafted)
