@@ -285,7 +285,8 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         B = len(decoding)
         held = min((r.held for r in decoding), default=K)
         info = StepInfo(num_verify=B, num_prefill_tokens=0, max_k=K,  # the engine passes no prompt tokens
-                        drafts=None if old_accounting else held)
+                        drafts=None if old_accounting else held, num_requests=len(active),
+                        token_budget=joins.budget if joins.prompt_len else 0)
         want = policy.choose(info) if K else 0
         policy.learn()  # as the engine calls it: while the device runs the step
         k = min(want, held)

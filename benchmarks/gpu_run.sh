@@ -30,9 +30,10 @@ fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive` (settings from the environment)
+sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive` (settings from the environment; TRACE: the
+             # acceptance trace replayed, e.g. benchmarks/traces/tiny_peagle_k7_stage3.json for the 4-layer head)
   timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
-    --replay benchmarks/traces/tiny_peagle_k7.json --concurrency "$2" --waves "${WAVES:-2}" \
+    --replay "${TRACE:-benchmarks/traces/tiny_peagle_k7.json}" --concurrency "$2" --waves "${WAVES:-2}" \
     --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive \
     --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
     ${SWEEP_ARGS:-} --out "$1"

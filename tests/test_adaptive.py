@@ -157,3 +157,48 @@ def test_the_engine_runs_the_policys_learning_while_the_step_is_on_the_device(ti
     plain = LLM(tiny_pair["target"], device="cpu")
     ids = lambda llm_: llm_.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
     assert ids(adaptive) == ids(plain) == out[0].outputs[0].token_ids
+
+
+def budget_policy(rate=0.9):
+    """Steps that cost about the same whatever the batch or k (memory-bound), acceptance 0.9 a position: without
+    a budget, k = 7."""
+    from peagle_core.spec.adaptive import StepGrid
+
+    grid = StepGrid({1: [9.0 + 0.05 * k for k in range(8)], 64: [10.0 + 0.2 * k for k in range(8)]})
+    p = AdaptiveDepth(7, grid)
+    p.acceptance.reached = [1e9] * 7
+    p.acceptance.accepted = [rate * 1e9] * 7
+    return p
+
+
+def test_prompt_share_is_read_from_the_steps():
+    p = budget_policy()
+    # 4 requests verified 3 drafts and accepted 1 (8 tokens emitted); 4 x 4 decode tokens, the other 100 prompts
+    p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 1)] * 4, 0.01, 4 * 4 + 100))
+    assert p.prompts.rho == pytest.approx(100 / 8)
+    p.observe(StepInfo(0, 0, 7), StepOutcome(7, [], 0.01, 50))  # a prefill-only step: prompts, nothing emitted
+    assert p.prompts.rho == pytest.approx((100 * 0.9 + 50) / (8 * 0.9))
+    for _ in range(60):  # no more arrivals: the prompts' share of the budget fades
+        p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 1)] * 4, 0.01, 16))
+    assert p.prompts.rho < 0.01
+    assert p.describe()["prompt_tokens_per_output_token"] == p.prompts.rho
+
+
+def test_a_budget_that_cannot_hold_every_request_at_depth_k_ranks_the_steady_states():
+    """At 64 requests and a 512-token budget, k = 7 fills the budget with drafts and prompts wait: with rho
+    prompt tokens per emitted token, a steady stream keeps N / ((1 + k) + rho E(k)) requests decoding. The
+    choice is the argmax of b_k E(k) / T(b_k, k) over that; with room in the budget, or no prompts coming, the
+    choice is the usual one (k = 7 here)."""
+    info = lambda budget, requests=64: StepInfo(64, 0, 7, num_requests=requests, token_budget=budget)
+    blind = budget_policy()
+    assert blind.choose(StepInfo(64, 0, 7)) == 7 and blind.choose(info(512)) == 7  # rho = 0: 64 x 8 fits in 512
+    p = budget_policy()
+    p.prompts.prompt, p.prompts.output = 2.0, 1.0  # rho = 2
+    E = [sum(0.9 ** i for i in range(k + 1)) for k in range(8)]
+    b = [max(1, min(64, int(512 / ((1 + k) + 2 * E[k])))) for k in range(8)]
+    brute = max(range(8), key=lambda k: b[k] * E[k] / p.times.step(b[k], k))
+    k = p.choose(info(512))
+    assert k == brute and k < 7
+    assert p.describe()["sustained_batch"] == b[k] < 64
+    assert p.choose(info(8192)) == 7  # a serving budget has room: the step's own batch decides
+    assert p.choose(info(512, requests=16)) == 7  # 16 requests x (8 + 2 E(7)) fit in 512 too

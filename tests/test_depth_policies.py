@@ -514,10 +514,11 @@ class Scripted(DepthPolicy):
     """Asks for the depths of `script` in turn and records what each step could and did verify."""
 
     def __init__(self, script: list[int]):
-        self.script, self.held, self.outcomes = list(script), [], []
+        self.script, self.held, self.outcomes, self.infos = list(script), [], [], []
 
     def choose(self, info: StepInfo) -> int:
         self.held.append(info.drafts if info.num_verify else None)
+        self.infos.append(info)
         return self.script.pop(0) if self.script else 1
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
@@ -633,3 +634,22 @@ def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order(
     for _ in range(3 * MAX_UNLEARNT):
         step(p, 4, 32, 3.0)
     assert len(p.unlearnt) <= MAX_UNLEARNT and len(seen) + len(p.unlearnt) == 3 * MAX_UNLEARNT
+
+
+def test_the_engine_tells_the_policy_the_requests_wanting_a_step_and_the_token_budget(tiny_pair):
+    """What the adaptive policy's budget model needs: every request running or waiting (at most max_num_seqs),
+    and the step's token budget."""
+    llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=2, max_num_batched_tokens=24, speculative_config={
+        "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True})
+    policy = llm.engine.policy = Scripted([])
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        llm.engine.add_request(str(i), prompt, sp)
+    wanting = []
+    while llm.engine.has_work():
+        s = llm.engine.scheduler
+        wanting.append(min(len(s.running) + len(s.waiting), 2))
+        llm.engine.step()
+    assert [i.num_requests for i in policy.infos] == wanting
+    assert wanting[0] == 2 and wanting[-1] == 1  # three requests, two at a time; the last one alone
+    assert {i.token_budget for i in policy.infos} == {24}

@@ -217,7 +217,11 @@ class LLMEngine:
         # The choice is also the depth this step drafts for the next; it can verify only what the last step
         # drafted (one k for every request keeps the step a graph's uniform decode)
         drafts = min((len(r.drafts) for r in running), default=self.K)
-        info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K, drafts=drafts)
+        # the requests wanting a step and the budget they share (a deep k can crowd prompts out of it)
+        sched = self.scheduler
+        info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K, drafts=drafts,
+                        num_requests=min(len(sched.running) + len(sched.waiting), sched.max_num_seqs),
+                        token_budget=sched.budget)
         want = self.policy.choose(info) if self.mode != "none" else 0
         k = min(want, info.verifiable)
         batch = self.scheduler.schedule(k)

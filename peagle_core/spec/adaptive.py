@@ -11,6 +11,9 @@ T comes from a step-time model profiled at start-up and refined from live step t
 `StepGrid`: whole steps measured per batch-size bucket and k, so the drafter's cost (constant in k for
 P-EAGLE, one pass per draft for EAGLE-3) is in it. `StepTimeModel` (the target's cost as a function of
 tokens plus a drafter pass) remains for profiles of that form.
+
+When the step's token budget cannot hold every request at some k, the ranking is of steady states instead
+(`AdaptiveDepth._sustained`): a deep k leaves prompts less of the budget, so fewer requests decode at once.
 """
 from __future__ import annotations
 
@@ -90,6 +93,28 @@ class AcceptanceEstimate:
             total += run
             out.append(total)
         return out
+
+
+@dataclass
+class PromptShare:
+    """Prompt tokens fed per token emitted (rho), over the last steps: what the requests in the engine ask of the
+    token budget besides their drafts. Per step, so it reads the regime the engine is in: high while a burst of
+    arrivals is being prefilled (a level's start), the workload's prompt / output ratio in a steady stream, near
+    zero once no request arrives. (Counted over finished requests instead, prompt / output lengths, it knew
+    nothing until requests finished and then only the short ones: in the simulation below the policy ran k = 7
+    through the level's start and k = 2 after the first finishes, 0.885 of the best fixed K at 64 requests.)"""
+
+    decay: float = 0.9  # per step: about the last 10 weigh
+    prompt: float = 0.0
+    output: float = 0.0
+
+    def observe(self, prompt_tokens: int, emitted: int) -> None:
+        self.prompt = self.prompt * self.decay + prompt_tokens
+        self.output = self.output * self.decay + emitted
+
+    @property
+    def rho(self) -> float:
+        return self.prompt / self.output if self.output > 0 else 0.0
 
 
 class StepTimeModel:
@@ -403,6 +428,7 @@ class Ranking:
     best: int
     alt: int | None
     near: bool
+    sustained: int | None = None  # requests the token budget keeps decoding at the best k, if it binds
 
 
 @dataclass
@@ -439,6 +465,7 @@ class AdaptiveDepth(DepthPolicy):
             raise ValueError(f"adaptive depth bounds must satisfy 0 <= min <= K, got {k_min}..{K}")
         self.K, self.k_min, self.times = K, k_min, times
         self.acceptance = AcceptanceEstimate(K, prior=prior)
+        self.prompts = PromptShare()
         self._rate_keys = [f"accept_rate_{j + 1}" for j in range(K)]
         self.last_rates: list[float] = []
         self.last: dict[str, float] = {}  # the last choice's inputs and predictions
@@ -453,6 +480,8 @@ class AdaptiveDepth(DepthPolicy):
         self.pending: int | None = None  # a deeper alternative drafted this step, to measure (verify) in the next
         self.unlearnt: list[tuple[int, int, float, int]] = []  # step times not yet in the model, until `learn`
         self.prepared: dict[int, Ranking] = {}  # batch size -> ranking, worked out by `learn` for the next choice
+        self._prepared_demand = (0, 0)  # the (requests, token budget) they were ranked for
+        self._demand = (0, 0)  # the last choice's
         self._prepared_next = False  # `learn` prepared them during the step now being observed
         self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
 
@@ -465,14 +494,20 @@ class AdaptiveDepth(DepthPolicy):
         return rates, self.acceptance.expected_tokens_by_k(rates)
 
     def _rank(self, batch: int, K: int, prefill_tokens: int = 0,
-              expected: tuple[list[float], list[float]] | None = None) -> Ranking:
+              expected: tuple[list[float], list[float]] | None = None, demand: tuple[int, int] = (0, 0)) -> Ranking:
         """Acceptance rates, tokens a request emits and step seconds for k = 0..K at this batch size, the k of
-        the best goodput (ties to the shallower) and the alternative exploration would run. (Plain loops: it
-        runs on every step, and `max` with a key cost twice as much.)"""
+        the best goodput (ties to the shallower) and the alternative exploration would run. `demand`: the
+        requests in the engine and its token budget (`_sustained`). (Plain loops: it runs on every step, and
+        `max` with a key cost twice as much.)"""
         rates, tokens = expected or self._expected()
         seconds = self.times.steps(batch, K, prefill_tokens)
-        goodput = [t / s for t, s in zip(tokens, seconds)]  # per request: the batch size is common to all
         lo = min(self.k_min, K)
+        sustained = self._sustained(tokens, K, lo, *demand)
+        if sustained is None:
+            goodput = [t / s for t, s in zip(tokens, seconds)]  # per request: the batch size is common to all
+        else:
+            goodput = [b * t / self.times.step(b, k, prefill_tokens)
+                       for k, (b, t) in enumerate(zip(sustained, tokens))]
         best = lo
         for k in range(lo + 1, K + 1):
             if goodput[k] > goodput[best]:
@@ -486,7 +521,30 @@ class AdaptiveDepth(DepthPolicy):
                 if k != best and evidence[min(k, top)] < fresh and (alt is None or goodput[k] > goodput[alt]):
                     alt = k
         near = alt is not None and goodput[alt] >= (1.0 - self.explore.margin) * goodput[best]
-        return Ranking(rates, tokens, seconds, best, alt, near)
+        return Ranking(rates, tokens, seconds, best, alt, near, sustained[best] if sustained else None)
+
+    def _sustained(self, tokens: list[float], K: int, lo: int, requests: int, budget: int) -> list[int] | None:
+        """Decoding requests a step of `budget` tokens keeps going at each k, if at some k in lo..K it cannot keep
+        all `requests` going; None if it can at every k (then the step's own batch is what k changes, the
+        usual ranking).
+
+        In a steady stream each request verifying k drafts feeds 1 + k tokens a step and emits E(k), and each
+        emitted token brings rho prompt tokens behind it (`PromptShare`: a finished request is replaced), so the
+        budget N holds at most N / ((1 + k) + rho E(k)) decoding requests. Past that, a deeper k does not make a
+        step dearer but the batch smaller: prompts wait for budget while running requests verify deep drafts
+        (the scheduler serves running requests first). Ranked by b_k E(k) / T(b_k, k), b_k = min(requests,
+        that bound). On the 20B shape's step times with the 4-layer tiny head's acceptance (0.80-0.93 a
+        position), 128-token prompts, 64-token answers and a 512-token budget, 64 requests give b = 64, 50, 36,
+        29 at k = 1, 3, 5, 7: K3 is best, and a policy ranking at the step's batch chose K7 and reached 0.90 of
+        K3's throughput (`benchmarks/adaptive_sim.py`, docs/adaptive.md). Prompt time is left out: it is the
+        same per emitted token whatever k, so it does not change the order."""
+        if requests <= 0 or budget <= 0:
+            return None
+        rho = self.prompts.rho
+        bound = [budget / ((1 + k) + rho * tokens[k]) for k in range(K + 1)]
+        if min(bound[lo:]) >= requests:
+            return None
+        return [max(1, min(requests, int(b))) for b in bound]
 
     def choose(self, info: StepInfo) -> int:
         """The depth to draft for the next step, and to verify now as far as the drafts held allow
@@ -504,12 +562,17 @@ class AdaptiveDepth(DepthPolicy):
         if info.num_verify == 0:
             return K  # nothing to verify: the choice only sets how far EAGLE-3 drafts
         verifiable = min(info.verifiable, K)
+        demand = (info.num_requests, info.token_budget)
         r = self.prepared.get(info.num_verify) if not info.num_prefill_tokens and K == self.K else None
+        if r is not None and demand != self._prepared_demand and (
+                r.sustained is not None or self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None):
+            r = None  # ranked for another demand, and the budget binds for one of them
         # ... unless that step was a large part of all the evidence (a level's first steps, where one more step
         # judged on the prior doubles a wrong early signal: tests/test_depth_policies.py); position 1 is judged
         # by every request that verifies, so its decayed count stands for the estimate's weight
         if r is None or self.acceptance.reached[0] > (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight:
-            r = self._rank(info.num_verify, K, info.num_prefill_tokens)
+            r = self._rank(info.num_verify, K, info.num_prefill_tokens, demand=demand)
+        self._demand = demand
         pending, self.pending = self.pending, None
         if pending is not None and pending <= verifiable:
             k, measures = pending, True  # an alternative drafted last step (its budget spent then): measured now
@@ -525,7 +588,8 @@ class AdaptiveDepth(DepthPolicy):
         predicted = info.num_verify * r.tokens[v]
         self.last = {"k": v, "asked": k, "batch": info.num_verify, "predicted_tokens_per_step": predicted,
                      "predicted_step_s": r.seconds[v], "predicted_tokens_per_s": predicted / r.seconds[v],
-                     "explored": float(measures)}
+                     "explored": float(measures),
+                     "sustained_batch": r.sustained if r.sustained is not None else info.num_verify}
         self.last_rates = r.rates  # named in `describe` (metrics are polled; choices are made every step)
         return k
 
@@ -558,6 +622,9 @@ class AdaptiveDepth(DepthPolicy):
         self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False
         realized = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
                                self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
+        # the verifying requests fed one token each and their drafts; the rest of the step's tokens were prompts
+        decode_tokens = info.num_verify + sum(d for d, _ in outcome.accepted)
+        self.prompts.observe(max(outcome.num_tokens - decode_tokens, 0), realized)
         if not info.num_verify:
             return  # a prefill-only step: nothing could be judged (no sign a position went unjudged) or timed
         self.acceptance.observe(outcome.accepted)
@@ -576,9 +643,11 @@ class AdaptiveDepth(DepthPolicy):
         request finishing or one done with its prompt)."""
         self._learn_time()
         batch, expected = int(self.last.get("batch", 0)), self._expected()
-        self.prepared = {b: self._rank(b, self.K, expected=expected) for b in (batch - 1, batch, batch + 1)
-                         if b > 0} if batch else {}
+        demand = self._prepared_demand = self._demand
+        self.prepared = {b: self._rank(b, self.K, expected=expected, demand=demand)
+                         for b in (batch - 1, batch, batch + 1) if b > 0} if batch else {}
         self._prepared_next, self._prepared_weight = True, self.acceptance.reached[0]
 
     def describe(self) -> dict[str, float]:
-        return {**self.tally.as_dict(), **self.last, **self.learnt, **dict(zip(self._rate_keys, self.last_rates))}
+        return {**self.tally.as_dict(), **self.last, **self.learnt, **dict(zip(self._rate_keys, self.last_rates)),
+                "prompt_tokens_per_output_token": self.prompts.rho}

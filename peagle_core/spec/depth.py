@@ -20,6 +20,8 @@ class StepInfo:
     num_prefill_tokens: int   # prompt tokens in the same step
     max_k: int                # K: the deepest a policy may ask for
     drafts: int | None = None  # drafts every verifying request holds (None: max_k)
+    num_requests: int = 0     # requests that want a step: running or waiting, at most max_num_seqs (0: unknown)
+    token_budget: int = 0     # tokens one step may feed the target (0: unbounded)
 
     @property
     def verifiable(self) -> int:
