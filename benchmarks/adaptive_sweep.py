@@ -792,17 +792,17 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
 
 def merge(parts: list[Path], out: Path) -> dict[str, Any]:
     """One report from sweeps of the same settings over disjoint concurrency levels (run side by side, one GPU
-    each: every level's cells, adaptive and fixed alike, still come from one GPU)."""
+    each, or one call after another: every level's cells, adaptive and fixed alike, still come from one GPU)."""
     results = [json.loads((p / "sweep.json").read_text()) for p in parts]
     cells = [c for r in results for c in r["cells_by_round"]]
     conc = sorted({C for r in results for C in r["concurrency"]})
-    result = {**results[0], "concurrency": conc, "command": " & ".join(r["command"] for r in results) + f"; then {command_line()}",
+    result = {**results[0], "concurrency": conc, "command": " ; ".join(r["command"] for r in results) + f"; then {command_line()}",
               "merged_from": [str(p) for p in parts],
               "batch_table": tune_batch_table(combine_rounds(cells), results[0]["fixed"], conc),
               "cells": sorted(combine_rounds(cells), key=lambda c: (c["policy"], c["concurrency"])),
               "cells_by_round": sorted(cells, key=lambda c: (c["policy"], c["concurrency"], c.get("round", 0)))}
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({result['shape']}, "
-                 f"{result['mode']}; {len(parts)} GPUs, one per concurrency range)")
+                 f"{result['mode']}; {len(parts)} runs, one per concurrency range)")
     return result
 
 
@@ -1174,7 +1174,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cpu")
     r.add_argument("--out", required=True)
 
-    m = sub.add_parser("merge", help="one report from sweeps run side by side over disjoint concurrency levels")
+    m = sub.add_parser("merge", help="one report from sweeps over disjoint concurrency levels")
     m.add_argument("parts", nargs="+", help="the sweeps' --out directories (each with sweep.json)")
     m.add_argument("--out", required=True)
 

@@ -73,6 +73,11 @@ class ReplicaMetrics:
                                 "interval", tag_keys=keys)
         self.policy_batch = Gauge("peagle_speculation_policy_batch_size", "Requests verifying in the step of the "
                                   "policy's last choice (its batch-size input)", tag_keys=keys)
+        self.sustained_batch = Gauge("peagle_speculation_sustained_batch_size", "Requests the adaptive policy "
+                                     "expects to decode at its chosen k: the step's batch, or fewer where the token "
+                                     "budget cannot also hold the prompts coming in", tag_keys=keys)
+        self.prompt_share = Gauge("peagle_speculation_prompt_tokens_per_output_token", "Prompt tokens fed per "
+                                  "token emitted over the last steps (the adaptive policy's rho)", tag_keys=keys)
         self.accept_est = Gauge("peagle_speculation_acceptance_estimate", "The policy's conditional acceptance "
                                 "estimate per draft position (1-based)", tag_keys=keys + ("position",))
         self.pred_tokens = Gauge("peagle_speculation_predicted_tokens_per_step", "Tokens per decode step the "
@@ -212,6 +217,8 @@ class ReplicaMetrics:
                                                    interval_mean("predicted_step_seconds", "predicted_steps")),
             "speculation_measured_step_seconds": (self.meas_step, interval_mean("step_seconds", "steps")),
             "speculation_policy_batch_size": (self.policy_batch, p.get("batch")),
+            "speculation_sustained_batch_size": (self.sustained_batch, p.get("sustained_batch")),
+            "speculation_prompt_tokens_per_output_token": (self.prompt_share, p.get("prompt_tokens_per_output_token")),
             "speculation_predicted_tokens_per_second": (self.pred_goodput, p.get("predicted_tokens_per_s")),
         }
         for name, (gauge, v) in gauges.items():

@@ -62,7 +62,7 @@ def test_poll_exports_policy_inputs_and_tallies():
               "steps": 10.0, "depth_sum": 25.0, "steps_at_k.2": 5.0, "steps_at_k.3": 5.0, "realized_tokens": 50.0,
               "step_seconds": 0.2, "predicted_steps": 10.0, "predicted_tokens": 60.0, "predicted_step_seconds": 0.25,
               "tokens_per_verify.1": 20.0, "tokens_per_verify.2": 10.0, "tokens_per_verify.3": 5.0,
-              "explored_steps": 2.0, "explored": 1.0}
+              "explored_steps": 2.0, "explored": 1.0, "sustained_batch": 3.0, "prompt_tokens_per_output_token": 2.5}
     m.poll({"speculation_depth": 3, "policy": policy})
     snap = m.snapshot()
     assert snap["speculation_steps_total.2"] == snap["speculation_steps_total.3"] == 5
@@ -72,6 +72,8 @@ def test_poll_exports_policy_inputs_and_tallies():
     assert snap["speculation_predicted_step_seconds"] == pytest.approx(0.025)
     assert snap["speculation_measured_step_seconds"] == pytest.approx(0.02)
     assert snap["speculation_policy_batch_size"] == 4.0
+    assert snap["speculation_sustained_batch_size"] == 3.0
+    assert snap["speculation_prompt_tokens_per_output_token"] == 2.5
     assert snap["speculation_acceptance_estimate.2"] == 0.25
     assert snap["tokens_per_request_step.1"] == 20
     assert snap["speculation_explored_steps_total"] == 2
@@ -124,7 +126,8 @@ def test_replica_exports_depth_metrics_and_span_attributes():
     for key in ("speculation_acceptance_estimate.1", "speculation_acceptance_estimate.3",
                 "speculation_predicted_tokens_per_step", "speculation_realized_tokens_per_step",
                 "speculation_predicted_step_seconds", "speculation_measured_step_seconds",
-                "speculation_policy_batch_size", "speculation_depth_mean"):
+                "speculation_policy_batch_size", "speculation_depth_mean", "speculation_sustained_batch_size",
+                "speculation_prompt_tokens_per_output_token"):
         assert key in snap, key
     assert 0 <= snap["speculation_acceptance_estimate.1"] <= 1
     assert sum(v for k, v in snap.items() if k.startswith("tokens_per_request_step.")) == policy["steps"]
