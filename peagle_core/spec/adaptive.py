@@ -101,8 +101,9 @@ class PromptShare:
     token budget besides their drafts. Per step, so it reads the regime the engine is in: high while a burst of
     arrivals is being prefilled (a level's start), the workload's prompt / output ratio in a steady stream, near
     zero once no request arrives. (Counted over finished requests instead, prompt / output lengths, it knew
-    nothing until requests finished and then only the short ones: in the simulation below the policy ran k = 7
-    through the level's start and k = 2 after the first finishes, 0.885 of the best fixed K at 64 requests.)"""
+    nothing until requests finished and then only the short ones: in the simulation of docs/adaptive.md the policy
+    ran k = 7 through the level's start and k = 2 after the first finishes, 0.885 of the best fixed K at 64
+    requests.)"""
 
     decay: float = 0.9  # per step: about the last 10 weigh
     prompt: float = 0.0
@@ -534,10 +535,11 @@ class AdaptiveDepth(DepthPolicy):
         step dearer but the batch smaller: prompts wait for budget while running requests verify deep drafts
         (the scheduler serves running requests first). Ranked by b_k E(k) / T(b_k, k), b_k = min(requests,
         that bound). On the 20B shape's step times with the 4-layer tiny head's acceptance (0.80-0.93 a
-        position), 128-token prompts, 64-token answers and a 512-token budget, 64 requests give b = 64, 50, 36,
-        29 at k = 1, 3, 5, 7: K3 is best, and a policy ranking at the step's batch chose K7 and reached 0.90 of
-        K3's throughput (`benchmarks/adaptive_sim.py`, docs/adaptive.md). Prompt time is left out: it is the
-        same per emitted token whatever k, so it does not change the order."""
+        position), 128-token prompts, 64-token answers and a 512-token budget (rho = 2), 64 requests give b = 64,
+        50, 36, 28 at k = 1, 3, 5, 7 and K3 ranks first. Ranking at the step's batch instead, the policy chose
+        k = 7 there and reached 0.90 of K3's throughput in the simulation (`benchmarks/adaptive_sim.py`), 1.06
+        with this (docs/adaptive.md). Prompt time is left out: it is the same per emitted token whatever k, so it
+        does not change the order."""
         if requests <= 0 or budget <= 0:
             return None
         rho = self.prompts.rho
