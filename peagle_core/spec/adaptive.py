@@ -103,7 +103,7 @@ class PromptShare:
     zero once no request arrives. (Counted over finished requests instead, prompt / output lengths, it knew
     nothing until requests finished and then only the short ones: in the simulation of docs/adaptive.md the policy
     ran k = 7 through the level's start and k = 2 after the first finishes, 0.885 of the best fixed K at 64
-    requests.)"""
+    requests. That variant was not kept, so no command in the tree reproduces the figure.)"""
 
     decay: float = 0.9  # per step: about the last 10 weigh
     prompt: float = 0.0
@@ -481,8 +481,7 @@ class AdaptiveDepth(DepthPolicy):
         self.pending: int | None = None  # a deeper alternative drafted this step, to measure (verify) in the next
         self.unlearnt: list[tuple[int, int, float, int]] = []  # step times not yet in the model, until `learn`
         self.prepared: dict[int, Ranking] = {}  # batch size -> ranking, worked out by `learn` for the next choice
-        self._prepared_demand = (0, 0)  # the (requests, token budget) they were ranked for
-        self._demand = (0, 0)  # the last choice's
+        self._demand = (0, 0)  # the last choice's (requests, token budget): what `learn` ranks for
         self._prepared_next = False  # `learn` prepared them during the step now being observed
         self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
 
@@ -566,7 +565,7 @@ class AdaptiveDepth(DepthPolicy):
         verifiable = min(info.verifiable, K)
         demand = (info.num_requests, info.token_budget)
         r = self.prepared.get(info.num_verify) if not info.num_prefill_tokens and K == self.K else None
-        if r is not None and demand != self._prepared_demand and (
+        if r is not None and demand != self._demand and (
                 r.sustained is not None or self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None):
             r = None  # ranked for another demand, and the budget binds for one of them
         # ... unless that step was a large part of all the evidence (a level's first steps, where one more step
@@ -622,11 +621,10 @@ class AdaptiveDepth(DepthPolicy):
             self._learn_time()
         # rankings serve the one choice after the step they were prepared during, never older ones
         self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False
-        realized = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
-                               self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
+        realized, drafts = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
+                                       self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
         # the verifying requests fed one token each and their drafts; the rest of the step's tokens were prompts
-        decode_tokens = info.num_verify + sum(d for d, _ in outcome.accepted)
-        self.prompts.observe(max(outcome.num_tokens - decode_tokens, 0), realized)
+        self.prompts.observe(max(outcome.num_tokens - info.num_verify - drafts, 0), realized)
         if not info.num_verify:
             return  # a prefill-only step: nothing could be judged (no sign a position went unjudged) or timed
         self.acceptance.observe(outcome.accepted)
@@ -645,8 +643,7 @@ class AdaptiveDepth(DepthPolicy):
         request finishing or one done with its prompt)."""
         self._learn_time()
         batch, expected = int(self.last.get("batch", 0)), self._expected()
-        demand = self._prepared_demand = self._demand
-        self.prepared = {b: self._rank(b, self.K, expected=expected, demand=demand)
+        self.prepared = {b: self._rank(b, self.K, expected=expected, demand=self._demand)
                          for b in (batch - 1, batch, batch + 1) if b > 0} if batch else {}
         self._prepared_next, self._prepared_weight = True, self.acceptance.reached[0]
 

@@ -72,10 +72,11 @@ class DepthTally:
     decode_drafted_at_k: list[int] = field(default_factory=list)  # and the drafts they made (P-EAGLE: input size)
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
-               predicted_step_s: float | None = None, explored: bool = False) -> int:
-        """Count one step; returns the tokens its verifying requests emitted (0 for a prefill-only step)."""
+               predicted_step_s: float | None = None, explored: bool = False) -> tuple[int, int]:
+        """Count one step; returns the tokens its verifying requests emitted and the drafts they verified (0, 0
+        for a prefill-only step): with the step's token count these say how many of its tokens were prompts."""
         if info.num_verify == 0:
-            return 0  # prefill only: k just sets how far EAGLE-3 drafts
+            return 0, 0  # prefill only: k just sets how far EAGLE-3 drafts
         k = outcome.k
         self.steps += 1
         self.depth_sum += k
@@ -86,10 +87,11 @@ class DepthTally:
         counts, size = self.tokens_per_verify, max(k, info.max_k) + 2  # a request emits at most K + 1 tokens
         if len(counts) < size:
             counts.extend([0] * (size - len(counts)))
-        realized = 0
-        for _, a in outcome.accepted:  # a plain loop: it runs per request on every step (host time)
+        realized = drafts = 0
+        for d, a in outcome.accepted:  # a plain loop: it runs per request on every step (host time)
             counts[a + 1] += 1
             realized += a + 1
+            drafts += d
         ones = max(0, info.num_verify - len(outcome.accepted))
         counts[1] += ones
         realized += ones
@@ -105,7 +107,7 @@ class DepthTally:
             self.predicted_step_seconds += predicted_step_s
             self.measured_step_seconds += outcome.step_time
             self.predicted_realized_tokens += realized
-        return realized
+        return realized, drafts
 
     def as_dict(self) -> dict[str, float]:
         d = {name: float(getattr(self, name)) for name in (
@@ -156,8 +158,8 @@ class DepthPolicy:
         return t
 
     def record(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None = None,
-               predicted_step_s: float | None = None, explored: bool = False) -> int:
-        """`DepthTally.record`: returns the tokens the step's verifying requests emitted."""
+               predicted_step_s: float | None = None, explored: bool = False) -> tuple[int, int]:
+        """`DepthTally.record`: returns the tokens the step's verifying requests emitted and the drafts verified."""
         return self.tally.record(info, outcome, predicted_tokens, predicted_step_s, explored)
 
 
