@@ -60,6 +60,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_FORMAT = "peagle-acceptance-trace/1"
 STEPS_FORMAT = "peagle-step-times/1"
+SWITCH_BURN_IN = 2  # --switchback: a turn's first steps verify drafts made to the previous policy's depth
+SWITCHBACK_NOTE = ("Switchback: at each level the policies took turns of {} steps in one closed loop on one engine, "
+                   "{} turns each (the order rotating), after an untimed warm-up wave. A cell is a policy's own "
+                   "turns: their output tokens over their wall time, the first {} steps of each turn not counted "
+                   "(they verify drafts made to the previous policy's depth). No TPOT: a request's tokens span "
+                   "several policies' turns. A round is one engine build; the rounds' spread is between builds.")
 FIXED_DEFAULT = (1, 3, 5, 7)
 POLICIES_DEFAULT = ("none", "K1", "K3", "K5", "K7", "adaptive", "batch_table", "ema_tiers")
 BAR_FRACTION = 0.97  # issue 10: adaptive >= 0.97 x the best fixed K at every concurrency
@@ -473,7 +479,11 @@ def policy_spec(policy: str, models: Models, max_k: int, batch_table: list | Non
 def request_lengths(n: int, max_tokens: int, seed: int) -> list[int]:
     """Output lengths uniform in [max_tokens / 2, 3 max_tokens / 2]: requests finish at different steps."""
     rng = random.Random(seed)
-    return [max(2, round(max_tokens * rng.uniform(0.5, 1.5))) for _ in range(n)]
+    return [request_length(rng, max_tokens) for _ in range(n)]
+
+
+def request_length(rng: random.Random, max_tokens: int) -> int:
+    return max(2, round(max_tokens * rng.uniform(0.5, 1.5)))
 
 
 def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: int, tag: str = "c",
@@ -522,6 +532,43 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
             "tpot_ms_p90": 1e3 * _quantile(tpots, 0.9) if tpots else None,
             "requests": n, "output_tokens": tokens_total, "steps": steps, "wall_s": wall, "window_s": window,
             "host_ms_per_step": 1e3 * host / steps if steps else 0.0}
+
+
+def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slice_steps: int, cycles: int,
+                   max_tokens: int, seed: int, burn_in: int = 2, tag: str = "s") -> dict[str, dict[str, Any]]:
+    """Closed loop at concurrency C on one engine, the policies taking turns every `slice_steps` steps for
+    `cycles` cycles (the order rotating each cycle). Each policy is charged the tokens and wall time of its own
+    slices, less each slice's first `burn_in` steps (they verify drafts made to the previous policy's depth).
+
+    A switchback, not a sequence of cells: on a host whose speed drifts over seconds (the tiny pair on the
+    H200, where cells two seconds apart differed by up to 40%), every policy then runs at every moment's host
+    speed, and the drift cancels in the ratios. The policies keep their state across their slices."""
+    from peagle_core.engine.types import SamplingParams, SpecDecodeStats
+
+    rng, names, n = random.Random(seed), list(policies), 0
+    got = {p: {"tokens": 0, "seconds": 0.0, "steps": 0, "host_seconds": 0.0, "stats": SpecDecodeStats()}
+           for p in names}
+    inflight: set[str] = set()
+    for cycle in range(cycles):
+        for p in names[cycle % len(names):] + names[:cycle % len(names)]:
+            engine.policy, engine.stats, g = policies[p], got[p]["stats"], got[p]
+            for i in range(slice_steps):
+                t0, executing = time.perf_counter(), engine.execute_seconds
+                while len(inflight) < C:  # a finished request is replaced at once
+                    sp = SamplingParams(temperature=0.0, max_tokens=request_length(rng, max_tokens), ignore_eos=True)
+                    inflight.add(engine.add_request(f"{tag}{C}-{n}", prompts[n % len(prompts)], sp).request_id)
+                    n += 1
+                updates = engine.step()
+                seconds = time.perf_counter() - t0
+                inflight.difference_update(u.req.request_id for u in updates if u.req.finished)
+                if i >= burn_in:
+                    g["tokens"] += sum(len(u.new_token_ids) for u in updates)
+                    g["seconds"] += seconds
+                    g["steps"] += 1
+                    g["host_seconds"] += seconds - (engine.execute_seconds - executing)
+    for request_id in inflight:
+        engine.abort(request_id)
+    return got
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -668,8 +715,12 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     fixed = fixed_ks(a.policies) or list(FIXED_DEFAULT)
     max_k = max(fixed)
     other = [p for p in a.policies if fixed_policy(p) is None and p not in ("adaptive", "adaptive_level")]
-    if a.shared_engine and other:
-        raise ValueError(f"--shared-engine runs K<k> and adaptive policies, not {', '.join(other)}")
+    if (a.shared_engine or a.switchback) and other:
+        flag = "--switchback" if a.switchback else "--shared-engine"
+        raise ValueError(f"{flag} runs K<k> and adaptive policies, not {', '.join(other)}")
+    if a.switchback and (a.switchback <= SWITCH_BURN_IN or a.switchback_cycles < 1):
+        raise ValueError(f"--switchback needs more than {SWITCH_BURN_IN} steps a turn and at least one cycle")
+    a.shared_engine = a.shared_engine or bool(a.switchback)  # one engine a round: the report pairs by round
     trace = Trace.load(a.replay) if a.replay else None
     models = build_models(a.shape, a.mode, device, getattr(torch, dtype_name), a.seed, a.pair)
     max_len = a.prompt_len + 2 * a.max_tokens + 2 * max_k + 64 if a.prompts == "random" else 2048
@@ -712,7 +763,9 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         started = time.perf_counter()
     table = batch_table
     shared = None  # --shared-engine: (round, engine, replay, its adaptive policy as built)
-    for rnd, policy, levels in run_order(order, a.concurrency, a.rounds, a.shared_engine):
+    if a.switchback:
+        cells += switchback_cells(a, order, models, max_k, open_engine, release, lambda: prompts, started, out, log)
+    for rnd, policy, levels in run_order(order, a.concurrency, a.rounds if not a.switchback else 0, a.shared_engine):
         todo = [C for C in levels if (policy, C, rnd) not in done]
         if not todo:
             continue
@@ -780,6 +833,9 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
               "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
               "prompts": a.prompts, "waves": a.waves, "min_requests": a.min_requests, "rounds": a.rounds,
               "warmup_steps": a.warmup_steps, "warm_policy": a.warm_policy, "shared_engine": a.shared_engine,
+              "switchback": ({"slice_steps": a.switchback, "cycles": a.switchback_cycles, "burn_in": SWITCH_BURN_IN}
+                             if a.switchback else None),
+              "notes": [SWITCHBACK_NOTE.format(a.switchback, a.switchback_cycles, SWITCH_BURN_IN)] if a.switchback else [],
               "acceptance": ({"replay": str(a.replay), "trace": (trace.source if trace else None),
                               "trace_acceptance_length_at_K": trace.acceptance_length() if trace else None}
                              if trace else "real (the model's own drafts)"),
@@ -788,6 +844,60 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
               "cells_by_round": sorted(cells, key=lambda c: (c["policy"], c["concurrency"], c.get("round", 0)))}
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({a.shape}, {a.mode})")
     return result
+
+
+def switchback_cells(a: argparse.Namespace, order: list[str], models: "Models", max_k: int, open_engine, release,
+                     prompts, started: float, out: Path, log) -> list[dict[str, Any]]:
+    """--switchback: per round one depth-K engine; at each level a warm-up wave, then every policy in turns of
+    `a.switchback` steps (`run_switchback`). One cell per policy and level, as the other modes write them (no
+    TPOT: a request's tokens span several policies' slices)."""
+    from peagle_core.spec.depth import FixedDepth
+
+    cells = []
+    for rnd in range(a.rounds):
+        release()
+        engine, _ = open_engine(policy_spec("adaptive", models, max_k, None))
+        built = copy.deepcopy(engine.policy)
+        log(f"[sweep] switchback engine built (K={engine.K}, round {rnd + 1}/{a.rounds}): {', '.join(order)} "
+            f"take turns of {a.switchback} steps")
+        for C in a.concurrency:
+            if time.perf_counter() - started > a.time_budget_s:
+                log(f"[sweep] time budget spent: C={C} (round {rnd + 1}) not run")
+                return cells
+            def fresh(p: str):  # the policy's start-up state
+                if (f := fixed_policy(p)) is not None:
+                    return FixedDepth(f[0])
+                policy = copy.deepcopy(built)
+                if p == "adaptive_level":
+                    level_only(policy)
+                return policy
+
+            policies = {p: fresh(p) for p in order}
+            for p in (p for p in order if fixed_policy(p) is None):  # the fixed ones have no state to warm
+                engine.policy = policies[p]
+                if a.warmup_steps:
+                    run_level(engine, prompts(), C, 1, max(2, a.warmup_steps), a.seed + 1, tag=f"warmup-{p}-")
+                if not a.warm_policy:
+                    policies[p] = fresh(p)
+            got = run_switchback(engine, policies, prompts(), C, a.switchback, a.switchback_cycles, a.max_tokens,
+                                 a.seed + 97 * rnd + C, burn_in=SWITCH_BURN_IN)
+            for p in order:
+                g = got[p]
+                engine.policy, engine.stats = policies[p], g["stats"]
+                cell = {"policy": p, "concurrency": C, "round": rnd, "K": engine.K, "status": "ok",
+                        "spec": {**policy_spec("adaptive", models, max_k, None), "shared_engine_policy": p},
+                        "replayed_verify_steps": None, "throughput_tok_s": g["tokens"] / max(g["seconds"], 1e-12),
+                        "tpot_ms_mean": None, "tpot_ms_p50": None, "tpot_ms_p90": None, "requests": None,
+                        "output_tokens": g["tokens"], "steps": g["steps"], "wall_s": g["seconds"],
+                        "window_s": g["seconds"],
+                        "host_ms_per_step": 1e3 * g["host_seconds"] / g["steps"] if g["steps"] else 0.0}
+                cell.update(cell_summary(engine))
+                cells.append(cell)
+                (out / "cells" / f"{p}_c{C}_r{rnd}.json").write_text(json.dumps(cell, indent=1))
+                log(f"[sweep] {p:>11} C={C:<3} {cell['throughput_tok_s']:9.1f} tok/s  (switchback)  "
+                    f"mean k {cell['mean_k']:.2f}  AL {cell['acceptance_length']:.2f}")
+        del engine
+    return cells
 
 
 def merge(parts: list[Path], out: Path) -> dict[str, Any]:
@@ -1142,6 +1252,11 @@ def parser() -> argparse.ArgumentParser:
                    help="one depth-K engine a round, every policy swapped into it (K<k> and adaptive only), "
                         "level by level (every policy at a level back to back): for host-bound engines, whose "
                         "builds and moments differ in host speed more than the policies do")
+    s.add_argument("--switchback", type=int, default=0, metavar="STEPS",
+                   help="one depth-K engine a round; at each level the policies (K<k> and adaptive) take turns of "
+                        "STEPS steps in one closed loop, each charged its own slices' tokens and time: the host's "
+                        "drift over seconds, larger than the policies' differences on a host-bound engine, cancels")
+    s.add_argument("--switchback-cycles", type=int, default=12, help="turns each policy takes at a level")
     s.add_argument("--warm-policy", action="store_true",
                    help="measure each level from the policy state its warm-up wave learnt (steady state at C: "
                         "a long-running server's policy has seen the load before) instead of the start-up state "

@@ -390,3 +390,79 @@ def test_step_trace_times_every_step_in_parts_and_puts_the_engine_back(tiny_pair
     assert same["aligned"] and all(same["all"][f] == 0 for f in FIELDS) and same["median_diff_ms"] == 0
     assert totals(rows)["steps"] == len(rows) and stalls(rows, ms=1e9) == []
     assert len(stalls(rows, ms=0.0)) == len(rows)
+
+
+class _CountingEngine:
+    """What `run_switchback` drives: every in-flight request emits one token a step and finishes at its length;
+    each step records the policy that ran it."""
+
+    def __init__(self):
+        self.policy = self.stats = None
+        self.execute_seconds, self.ran, self.live, self.aborted = 0.0, [], {}, []
+
+    def add_request(self, request_id, prompt, params):
+        from types import SimpleNamespace
+
+        req = SimpleNamespace(request_id=request_id, left=params.max_tokens, finished=False)
+        self.live[request_id] = req
+        return req
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.ran.append(self.policy)
+        self.execute_seconds += 0.001
+        updates = []
+        for req in list(self.live.values()):
+            req.left -= 1
+            req.finished = req.left == 0
+            if req.finished:
+                del self.live[req.request_id]
+            updates.append(SimpleNamespace(req=req, new_token_ids=[7]))
+        return updates
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        self.live.pop(request_id)
+
+
+def test_switchback_takes_turns_and_charges_each_policy_its_own_turns():
+    """The policies take turns of `slice_steps` steps (the order rotating each cycle), C requests stay in flight
+    (a finished one replaced at once), each policy is charged its turns' tokens less each turn's burn-in steps,
+    and what is still in flight at the end is aborted."""
+    engine = _CountingEngine()
+    policies = {"K1": "p1", "K3": "p3", "adaptive": "pa"}
+    got = S.run_switchback(engine, policies, [[5, 6]], C=3, slice_steps=4, cycles=3, max_tokens=6, seed=0,
+                           burn_in=1)
+    turns = [engine.ran[i] for i in range(0, len(engine.ran), 4)]
+    assert turns == ["p1", "p3", "pa", "p3", "pa", "p1", "pa", "p1", "p3"]
+    assert all(engine.ran[i:i + 4] == [engine.ran[i]] * 4 for i in range(0, len(engine.ran), 4))
+    for name in policies:
+        assert got[name]["steps"] == 3 * (4 - 1)
+        assert got[name]["tokens"] == 3 * 3 * (4 - 1)  # three requests in flight at every step, one token each
+        assert got[name]["seconds"] > 0 and got[name]["host_seconds"] <= got[name]["seconds"]
+    assert len(engine.aborted) == 3 and not engine.live
+
+
+def test_switchback_sweep_builds_one_engine_a_round_and_writes_a_cell_per_policy(tmp_path, capsys):
+    out = tmp_path / "switch"
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--max-tokens", "8", "--prompt-len", "8", "--policies", "K1,K3,adaptive", "--rounds", "2",
+                 "--switchback", "5", "--switchback-cycles", "2", "--warmup-steps", "3", "--out", str(out)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert err.count("switchback engine built") == 2 and "engine built in" not in err
+    res = json.loads((out / "sweep.json").read_text())
+    assert res["shared_engine"] is True and res["switchback"] == {"slice_steps": 5, "cycles": 2, "burn_in": 2}
+    by = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
+    assert set(by) == {(p, r) for p in ("K1", "K3", "adaptive") for r in (0, 1)}
+    for c in by.values():
+        assert c["K"] == 3 and c["steps"] == 2 * (5 - 2) and c["tpot_ms_mean"] is None
+        assert c["throughput_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
+    assert by[("K1", 0)]["mean_k"] == 1.0
+    md = (out / "sweep.md").read_text()
+    assert "Switchback: at each level the policies took turns of 5 steps" in md and "Paired by round" in md
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--policies", "K1,adaptive", "--switchback", "2", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "more than 2 steps a turn" in err and "engine built" not in err
