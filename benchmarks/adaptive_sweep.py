@@ -542,7 +542,9 @@ def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slic
 
     A switchback, not a sequence of cells: on a host whose speed drifts over seconds (the tiny pair on the
     H200, where cells two seconds apart differed by up to 40%), every policy then runs at every moment's host
-    speed, and the drift cancels in the ratios. The policies keep their state across their slices."""
+    speed, and the drift cancels in the ratios. The policies keep their state across their slices. The rotation
+    keeps each policy's predecessor the same (cyclic order): an effect a turn inherits from the one before is
+    not averaged out (docs/adaptive.md: the tiny pair at one request)."""
     from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 
     rng, names, n = random.Random(seed), list(policies), 0
@@ -720,6 +722,8 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         raise ValueError(f"{flag} runs K<k> and adaptive policies, not {', '.join(other)}")
     if a.switchback and (a.switchback <= SWITCH_BURN_IN or a.switchback_cycles < 1):
         raise ValueError(f"--switchback needs more than {SWITCH_BURN_IN} steps a turn and at least one cycle")
+    if a.switchback and a.resume:
+        raise ValueError("--switchback measures a level's policies together: it cannot resume single cells")
     a.shared_engine = a.shared_engine or bool(a.switchback)  # one engine a round: the report pairs by round
     trace = Trace.load(a.replay) if a.replay else None
     models = build_models(a.shape, a.mode, device, getattr(torch, dtype_name), a.seed, a.pair)
@@ -860,18 +864,19 @@ def switchback_cells(a: argparse.Namespace, order: list[str], models: "Models", 
         built = copy.deepcopy(engine.policy)
         log(f"[sweep] switchback engine built (K={engine.K}, round {rnd + 1}/{a.rounds}): {', '.join(order)} "
             f"take turns of {a.switchback} steps")
+
+        def fresh(p: str):  # the policy's start-up state on this round's engine
+            if (f := fixed_policy(p)) is not None:
+                return FixedDepth(f[0])
+            policy = copy.deepcopy(built)
+            if p == "adaptive_level":
+                level_only(policy)
+            return policy
+
         for C in a.concurrency:
             if time.perf_counter() - started > a.time_budget_s:
                 log(f"[sweep] time budget spent: C={C} (round {rnd + 1}) not run")
                 return cells
-            def fresh(p: str):  # the policy's start-up state
-                if (f := fixed_policy(p)) is not None:
-                    return FixedDepth(f[0])
-                policy = copy.deepcopy(built)
-                if p == "adaptive_level":
-                    level_only(policy)
-                return policy
-
             policies = {p: fresh(p) for p in order}
             for p in (p for p in order if fixed_policy(p) is None):  # the fixed ones have no state to warm
                 engine.policy = policies[p]

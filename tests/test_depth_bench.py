@@ -466,3 +466,7 @@ def test_switchback_sweep_builds_one_engine_a_round_and_writes_a_cell_per_policy
                  "--policies", "K1,adaptive", "--switchback", "2", "--out", str(tmp_path / "bad")])
     err = capsys.readouterr().err
     assert rc != 0 and "more than 2 steps a turn" in err and "engine built" not in err
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--policies", "K1,adaptive", "--switchback", "4", "--resume", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "cannot resume" in err and "engine built" not in err
