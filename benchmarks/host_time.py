@@ -9,9 +9,7 @@ On the shipped tiny pair on a CPU the device step is slow, but the host work aro
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
 quarter of the steps (a cost that grows with the output's length shows in the last quarter), and the parts of
 it timed by wrapping them: the depth policy's `choose` + `observe`, the scheduler, appending tokens, the text
-updates (detokenizing). `learn_us_per_step` is the policy's learning, timed apart: it runs inside
-`ModelRunner.execute`, while the device runs the step, so it is not in the host time; it adds to the step when
-the device finishes first (the tiny pair on an H200). It only wraps methods, so the script also runs on older commits (copy it into a
+updates (detokenizing). It only wraps methods, so the script also runs on older commits (copy it into a
 checkout's `benchmarks/` and run it there) for before/after figures.
 """
 from __future__ import annotations
@@ -44,8 +42,7 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
         engine.add_request(f"r{i}", f"def f{i}(n):", params)
     parts: dict[str, float] = {}
     wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "policy"),
-               (engine.policy, "observe", "policy"), (engine.policy, "learn", "learn"),
-               (engine.scheduler, "schedule", "schedule"),
+               (engine.policy, "observe", "policy"), (engine.scheduler, "schedule", "schedule"),
                (engine, "_append", "append"), (TextState, "update", "text")]
     originals = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in wrapped]
     for obj, name, part in wrapped:
