@@ -537,22 +537,23 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
 def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slice_steps: int, cycles: int,
                    max_tokens: int, seed: int, burn_in: int = 2, tag: str = "s") -> dict[str, dict[str, Any]]:
     """Closed loop at concurrency C on one engine, the policies taking turns every `slice_steps` steps for
-    `cycles` cycles (the order rotating each cycle). Each policy is charged the tokens and wall time of its own
+    `cycles` cycles (the order drawn afresh each cycle). Each policy is charged the tokens and wall time of its own
     slices, less each slice's first `burn_in` steps (they verify drafts made to the previous policy's depth).
 
     A switchback, not a sequence of cells: on a host whose speed drifts over seconds (the tiny pair on the
     H200, where cells two seconds apart differed by up to 40%), every policy then runs at every moment's host
-    speed, and the drift cancels in the ratios. The policies keep their state across their slices. The rotation
-    keeps each policy's predecessor the same (cyclic order): an effect a turn inherits from the one before is
-    not averaged out (docs/adaptive.md: the tiny pair at one request)."""
+    speed, and the drift cancels in the ratios. The policies keep their state across their slices. The order is
+    shuffled each cycle: a rotation kept each policy's predecessor the same, so an effect a turn inherits from
+    the one before was not averaged out (docs/adaptive.md: the tiny pair at one request, adaptive 10% ahead of a
+    K7 it matched step for step)."""
     from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 
-    rng, names, n = random.Random(seed), list(policies), 0
+    rng, order, names, n = random.Random(seed), random.Random(seed + 1), list(policies), 0
     got = {p: {"tokens": 0, "seconds": 0.0, "steps": 0, "host_seconds": 0.0, "stats": SpecDecodeStats()}
            for p in names}
     inflight: set[str] = set()
-    for cycle in range(cycles):
-        for p in names[cycle % len(names):] + names[:cycle % len(names)]:
+    for _ in range(cycles):
+        for p in order.sample(names, len(names)):
             engine.policy, engine.stats, g = policies[p], got[p]["stats"], got[p]
             for i in range(slice_steps):
                 t0, executing = time.perf_counter(), engine.execute_seconds

@@ -168,12 +168,14 @@ case "${1:-}" in
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
     ;;
   tiny-probes)  # one H200: what a varying depth costs the host-bound tiny pair (policy_overhead.py --trace: every
-                # step's parts, adaptive against replay; carry data/heldout.json). ~2 minutes
-    for c in 16 4; do
+                # step's parts, adaptive against replay; carry data/heldout.json; PROBE_CONCURRENCY="16 4"). ~2 minutes
+    for c in ${PROBE_CONCURRENCY:-16 4}; do
       timeout "${PROBE_TIMEOUT:-200}" python3 benchmarks/policy_overhead.py --out "/tmp/po$c" --concurrency $c \
         --reps "${REPS:-3}" --policies "${PROBE_POLICIES:-K3,adaptive,replay,adaptive_k3}" --trace \
         > "$OUT/policy_overhead_c$c.log" 2>&1
-      cp "/tmp/po$c/policy_overhead.json" "$OUT/policy_overhead_c$c.json"; grep -v '^{"policy' "$OUT/policy_overhead_c$c.log" | tail -n 7
+      cp "/tmp/po$c/policy_overhead.json" "$OUT/policy_overhead_c$c.json"
+      [ -f "/tmp/po$c/policy_overhead_trace.json" ] && gzip -c "/tmp/po$c/policy_overhead_trace.json" > "$OUT/policy_overhead_trace_c$c.json.gz"
+      grep -v '^{"policy' "$OUT/policy_overhead_c$c.log" | tail -n 7
     done
     ;;
   pair-pretrain)  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz: `xz -k data/tiny_tokens.pt`,

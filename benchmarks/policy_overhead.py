@@ -105,7 +105,8 @@ def main() -> int:
             runs.append({"policy": name, "rep": rep, "throughput_tok_s": cell["throughput_tok_s"],
                          "host_ms_per_step": cell["host_ms_per_step"], "steps": cell["steps"],
                          "mean_k": summary["mean_k"], "decode_step_ms_at_k": summary["decode_step_ms_at_k"],
-                         "acceptance_length": summary["acceptance_length"]})
+                         "acceptance_length": summary["acceptance_length"],
+                         **({"step_grid": summary["step_grid"]} if "step_grid" in summary else {})})
             if trace is not None:
                 traces[name, rep] = trace.rows
                 runs[-1]["trace_ms"] = {"decode": totals(trace.rows, True), "mixed": totals(trace.rows, False)}

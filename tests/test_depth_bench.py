@@ -427,19 +427,22 @@ class _CountingEngine:
 
 
 def test_switchback_takes_turns_and_charges_each_policy_its_own_turns():
-    """The policies take turns of `slice_steps` steps (the order rotating each cycle), C requests stay in flight
-    (a finished one replaced at once), each policy is charged its turns' tokens less each turn's burn-in steps,
-    and what is still in flight at the end is aborted."""
+    """The policies take turns of `slice_steps` steps (each policy once a cycle, in an order drawn afresh each
+    cycle, so no policy always follows the same one), C requests stay in flight (a finished one replaced at
+    once), each policy is charged its turns' tokens less each turn's burn-in steps, and what is still in flight
+    at the end is aborted."""
     engine = _CountingEngine()
     policies = {"K1": "p1", "K3": "p3", "adaptive": "pa"}
-    got = S.run_switchback(engine, policies, [[5, 6]], C=3, slice_steps=4, cycles=3, max_tokens=6, seed=0,
+    got = S.run_switchback(engine, policies, [[5, 6]], C=3, slice_steps=4, cycles=8, max_tokens=6, seed=0,
                            burn_in=1)
     turns = [engine.ran[i] for i in range(0, len(engine.ran), 4)]
-    assert turns == ["p1", "p3", "pa", "p3", "pa", "p1", "pa", "p1", "p3"]
+    assert all(sorted(turns[i:i + 3]) == ["p1", "p3", "pa"] for i in range(0, len(turns), 3))
+    before = {p: {a for a, b in zip(turns, turns[1:]) if b == p and a != p} for p in policies.values()}
+    assert all(len(prev) == 2 for prev in before.values()), before  # each policy followed both others
     assert all(engine.ran[i:i + 4] == [engine.ran[i]] * 4 for i in range(0, len(engine.ran), 4))
     for name in policies:
-        assert got[name]["steps"] == 3 * (4 - 1)
-        assert got[name]["tokens"] == 3 * 3 * (4 - 1)  # three requests in flight at every step, one token each
+        assert got[name]["steps"] == 8 * (4 - 1)
+        assert got[name]["tokens"] == 3 * 8 * (4 - 1)  # three requests in flight at every step, one token each
         assert got[name]["seconds"] > 0 and got[name]["host_seconds"] <= got[name]["seconds"]
     assert len(engine.aborted) == 3 and not engine.live
 

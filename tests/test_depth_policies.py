@@ -361,17 +361,18 @@ def _expected_tokens(k: int, rates: list[float]) -> float:
 
 
 def _drive(p, true_ms, batch: int, rates: list[float], steps: int, seed: int = 0, noise: float = 0.03,
-           drift: float = 0.0) -> list[int]:
+           drift: float = 0.0, switch: float = 0.0, slow: float = 1.0, burst: int = 0) -> list[int]:
     """`steps` decode steps at `batch` requests: acceptance drawn per position at `rates`, step times from
     `true_ms` (rows by batch size, linear in between) with +-`noise` uniform jitter and, with `drift`, a host
     speed that wanders: log factor x <- 0.99 x + N(0, drift) a step (~100 steps of memory, sd ~7 x drift).
-    Returns the k chosen."""
+    With `switch`, the host jumps between its speed and `slow` x slower with that probability a step; the first
+    `burst` steps run 2.2x slow (a level's first steps after a swap). Returns the k chosen."""
     import math
     import random
 
-    rng, info, ks, x = random.Random(seed), StepInfo(batch, 0, 7), [], 0.0
+    rng, info, ks, x, state = random.Random(seed), StepInfo(batch, 0, 7), [], 0.0, 1.0
     sizes = sorted(true_ms)
-    for _ in range(steps):
+    for i in range(steps):
         k = p.choose(info)
         ks.append(k)
         accepted = []
@@ -382,7 +383,9 @@ def _drive(p, true_ms, batch: int, rates: list[float], steps: int, seed: int = 0
             accepted.append((k, a))
         if drift:
             x = 0.99 * x + rng.gauss(0.0, drift)
-        host = math.exp(x) * (1 + noise * (2 * rng.random() - 1))
+        if switch and rng.random() < switch:
+            state = slow if state == 1.0 else 1.0
+        host = math.exp(x) * state * (2.2 if i < burst else 1.0) * (1 + noise * (2 * rng.random() - 1))
         p.observe(info, StepOutcome(k, accepted, _true(true_ms, sizes, batch, k) * host, batch * (1 + k)))
     return ks
 
@@ -429,7 +432,8 @@ def test_live_steps_learn_the_shape_across_k_when_the_profile_under_charges_dept
 
 def test_an_error_common_to_every_k_moves_the_level_not_the_shape():
     """A profile 30% slow at every k: whichever k the live steps run, the error is the same, so it is the
-    level's; the shape stays flat (exactly, without jitter) and every k, observed or not, ends up right."""
+    level's; the shape stays flat (within what the level's first steps leave: a step measures its k against the
+    level, which takes a few steps to come down from 30% too slow) and every k, observed or not, ends up right."""
     from peagle_core.spec.adaptive import StepGrid
 
     true_ms = [10.0 + 0.5 * k for k in range(8)]
@@ -440,7 +444,7 @@ def test_an_error_common_to_every_k_moves_the_level_not_the_shape():
     for i in range(60):  # two depths alternating, a third now and then
         k = 6 if i % 10 == 0 else (2, 5)[i % 2]
         g.observe(16 * (1 + k), k, true_ms[k], 16)
-    assert max(abs(s) for s in g.shape[1]) < 1e-9
+    assert max(abs(s) for s in g.shape[1]) < 0.01
     assert [g.step(16, k) for k in range(8)] == pytest.approx(true_ms, rel=0.01)
 
 
@@ -477,6 +481,40 @@ def test_a_drifting_host_does_not_move_a_flat_profile_off_full_depth():
         last = ks[-1000:]
         goodput = sum(_expected_tokens(k, rates) / flat[8][k] for k in last) / len(last)
         assert last.count(7) >= 850 and goodput >= 0.98 * best, (seed, last.count(7), goodput / best)
+
+
+def test_a_host_that_changes_speed_does_not_charge_the_k_that_ran_then():
+    """The tiny pair on an H200, as traced (policy_overhead.py, docs/adaptive.md): steps flat in k at 8 requests
+    (0.83-0.90 ms at k = 5, 6, 7), but the host running 1.55x slower for a stretch now and then, and the first
+    steps of a level slow; the start-up profile (the probe's, rows 1-8) charging k = 6, 7 ~14% more than k = 5.
+    k = 7 is best (acceptance length 4.9 against 4.2 at k = 5 for the same time). Taken against the fixed
+    profile, a slow stretch that began while a rarely run k ran charged that k for good, and some seeds sat at
+    k = 4-6 for hundreds of steps (k = 7 on 50% of the last 1000 steps, 0.90 of K7's goodput); now a step is
+    measured against the level, which follows the host, and a cell left alone drifts back to its neighbours."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+
+    rates = [0.80, 0.84, 0.88, 0.90, 0.91, 0.93, 0.93]  # tiny_peagle_k7_stage3.json, per position
+    profile = {1: [0.944, 0.947, 0.745, 0.738, 0.676, 0.688, 0.698, 0.719],
+               2: [0.720, 0.723, 0.732, 0.702, 0.735, 0.761, 0.707, 0.731],
+               4: [0.751, 0.730, 0.805, 0.778, 0.787, 0.763, 0.758, 0.779],
+               8: [0.890, 0.821, 0.796, 0.811, 0.863, 0.894, 0.978, 0.981]}
+    flat = {b: [0.86] * 8 for b in profile}
+    for seed in range(8):  # 90-96% of the last 1000 steps at k = 7, 0.986-0.995 of its goodput
+        ks = _drive(AdaptiveDepth(7, StepGrid(profile)), flat, 8, rates, 1500, seed=seed, noise=0.04,
+                    switch=1 / 300, slow=1.55, burst=6)
+        last = ks[-1000:]
+        goodput = sum(_expected_tokens(k, rates) for k in last) / len(last) / _expected_tokens(7, rates)
+        assert last.count(7) >= 850 and goodput >= 0.98, (seed, last.count(7), goodput)
+
+
+def test_a_cell_borrows_the_nearest_other_observed_cell():
+    """`_neighbours`: the nearest observed cell other than k itself, the mean of both at equal distance."""
+    from peagle_core.spec.adaptive import _neighbours
+
+    err = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert _neighbours(err, [1, 4]) == [1.0, 4.0, 1.0, 4.0, 1.0, 4.0, 4.0, 4.0]
+    assert _neighbours(err, [2, 4, 5]) == [2.0, 2.0, 4.0, 3.0, 5.0, 4.0, 5.0, 5.0]
+    assert _neighbours(err, [0, 7]) == [7.0, 0.0, 0.0, 0.0, 7.0, 7.0, 7.0, 0.0]
 
 
 def test_one_stalled_step_moves_the_grid_by_a_bounded_factor():

@@ -169,7 +169,7 @@ MAX_UNLEARNT = 16
 PREPARED_NEW_EVIDENCE = 0.1
 
 # StepGrid's shape learning (see its docstring).
-SHAPE_PRIOR = 0.5                # pseudo-observations behind a cell's borrowed estimate at its first look
+SHAPE_PRIOR = 1.0                # pseudo-observations that hold a cell's estimate toward its nearest observed neighbour
 SHAPE_STEP_CLIP = math.log(1.5)  # one step moves a cell's estimate by at most this factor's share
 
 
@@ -296,51 +296,75 @@ class StepGrid:
         # below would scale a row by 1 + 0.2 (r - 1), 2.8x for a 10x stall. Halving or doubling is plenty
         # for a genuine level error to be pulled in within a few steps.
         ratio = min(max(seconds / self.step(batch, k), 0.5), 2.0)
-        profiled = sum(w * self.profile[r][k] for r, w in interpolation)
-        if self.learn_shape and profiled > 0:
-            self._learn_shape(weights, k, math.log(seconds / profiled))
+        level = sum(w * self.rows[r][k] for r, w in interpolation)  # the level's prediction, before any shape
+        if self.learn_shape and level > 0:
+            self._learn_shape(weights, k, math.log(seconds / level))
         for r, w in weights:
             self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
             self._monotone[r] = None  # its shape (`_learn_shape`) may have moved too
         self._at.clear()
         self._batch(batch)  # now, while the device runs a step (`AdaptiveDepth.learn`), not in the next choice
 
-    def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_err: float) -> None:
-        """Fold one step's log(measured / profiled) into the cells (r, k) it was interpolated from."""
+    def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_level_err: float) -> None:
+        """Fold one step's log(measured / level's prediction) into the cells (r, k) it was interpolated from.
+
+        The level follows the host within a few steps, so against it a step measures how its k differs from the
+        others at the same moment; against the fixed start-up profile it measured the host's speed at that
+        moment as well. On the tiny pair's H200 steps (flat in k, host-bound) the host ran 0.85 ms steps for a
+        while, then 1.3 ms ones: the k that happened to run when it slowed down was charged 1.5x for good, and the
+        policy left it (docs/adaptive.md). The row's current mean error is added back because the level has
+        absorbed it (it fits the steps with their shape correction, which is relative to that mean): without it
+        the errors of the k being run would drift to zero and take what was learnt of the others with them."""
         for r, w in weights:
-            err = self.log_err[r]
+            err, ev = self.log_err[r], self.evidence_rows[r]
+            total = sum(ev)
+            log_err = log_level_err + (sum(e * x for e, x in zip(ev, err)) / total if total > 0 else 0.0)
             decay = self.shape_decay ** w  # forget per step of this row, so a cell tracks a drifting workload
-            ev = self.evidence_rows[r] = [e * decay for e in self.evidence_rows[r]]
-            if ev[k] == 0 and any(ev):
-                # A first look at this cell starts from what it was predicted with (its nearest observed
-                # neighbour's error), worth `SHAPE_PRIOR` observations: one noisy step does not set it alone.
-                err[k], ev[k] = _borrowed(err, ev, k), SHAPE_PRIOR
-            if ev[k] > 0:  # a stalled step moves a cell by a bounded factor, never by the stall
+            ev = self.evidence_rows[r] = [e * decay for e in ev]
+            if ev[k] == 0 and any(ev):  # a first look is clipped against what it was predicted with
+                err[k] = _neighbours(err, [j for j, e in enumerate(ev) if e > 0])[k]
+            if any(ev):  # a stalled step moves a cell by a bounded factor, never by the stall
                 log_err = err[k] + min(max(log_err - err[k], -SHAPE_STEP_CLIP), SHAPE_STEP_CLIP)
             ev[k] += w
             err[k] += (w / ev[k]) * (log_err - err[k])  # a mean over the (forgetful) evidence
             self.shape[r] = _relative_shape(err, ev)
 
 
-def _borrowed(log_err: list[float], evidence: list[float], k: int) -> float:
-    """The log error of the observed cell nearest to k (the mean of both at equal distance)."""
-    seen = [j for j, e in enumerate(evidence) if e > 0 and j != k]
-    d = min(abs(j - k) for j in seen)
-    near = [log_err[j] for j in seen if abs(j - k) == d]
-    return sum(near) / len(near)
-
-
 def _relative_shape(log_err: list[float], evidence: list[float]) -> list[float]:
-    """Per k: the cell's log error (the nearest observed cell's where it has none) minus the
-    evidence-weighted mean over the observed cells. Subtracting the mean leaves what differs between k;
-    the common part is left to the level."""
+    """Per k: the cell's log error, held toward its nearest observed neighbour's by `SHAPE_PRIOR`
+    pseudo-observations (a cell never observed takes the neighbour's), minus the evidence-weighted mean over
+    the observed cells. Subtracting the mean leaves what differs between k; the common part is left to the
+    level. The pseudo-observations do what the acceptance estimate's neighbour prior does: a cell the policy
+    stopped running loses its evidence as the row's steps go by and drifts back to its neighbour, so a k
+    abandoned after a few slow steps is tried again (before, its error stayed as long as nothing ran it)."""
     seen = [k for k, e in enumerate(evidence) if e > 0]
     total = sum(evidence[k] for k in seen)
     if len(seen) < 2 or total <= 0:
         return [0.0] * len(log_err)  # one k observed (or none): nothing relative to learn
     mean = sum(evidence[k] * log_err[k] for k in seen) / total
-    return [(log_err[k] if evidence[k] > 0 else _borrowed(log_err, evidence, k)) - mean
-            for k in range(len(log_err))]
+    return [(x * e + SHAPE_PRIOR * near) / (x + SHAPE_PRIOR) - mean
+            for e, x, near in zip(log_err, evidence, _neighbours(log_err, seen))]
+
+
+def _neighbours(log_err: list[float], seen: list[int]) -> list[float]:
+    """Per k: the log error of the observed cell (k in `seen`, ascending) nearest to k other than k itself, the
+    mean of both at equal distance (k's own if it is the only one). One pass for every k: it runs on every
+    observed step."""
+    out, i = [], 0  # seen[i] is the first observed k at or after the current one
+    for k in range(len(log_err)):
+        while i < len(seen) and seen[i] < k:
+            i += 1
+        left = seen[i - 1] if i > 0 else None
+        right = next((j for j in seen[i:i + 2] if j != k), None)
+        if left is None and right is None:
+            out.append(log_err[k])  # k is the only observed cell: nothing else to borrow from
+        elif left is None or (right is not None and right - k < k - left):
+            out.append(log_err[right])
+        elif right is None or k - left < right - k:
+            out.append(log_err[left])
+        else:
+            out.append((log_err[left] + log_err[right]) / 2)
+    return out
 
 
 def rescaled(times: list[float], ratio: float, rate: float) -> list[float]:
