@@ -231,8 +231,7 @@ class Joins:
     under the step's token budget, decoding requests first (the scheduler's order), so a deep k at a large batch
     leaves little room and joiners wait; a joining request verifies nothing until its prefill is done, and a
     step carrying prompt tokens costs `seconds_per_token` more per token and is not used by the policy's grid
-    (the engine's rule). A request's drafts are capped by the tokens it has left, as the scheduler caps them.
-    prompt_len 0: the old model (a request decodes at once, its first token free; no prefill steps)."""
+    (the engine's rule). prompt_len 0: the old model (a request decodes at once, its first token free; no prefill steps)."""
 
     prompt_len: int = 0
     budget: int = 512
@@ -290,7 +289,7 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         want = policy.choose(info) if K else 0
         policy.learn()  # as the engine calls it: while the device runs the step
         k = min(want, held)
-        drafts = [_drafts(r, k, joins) for r in decoding]
+        drafts = [k] * len(decoding)  # not cut to the tokens a request has left (the scheduler does not either)
         budget = joins.budget - sum(1 + d for d in drafts)  # decoders first (64 x 8 tokens just fill 512)
         prompt_tokens, first_tokens = _prefill(active, budget, joins)
         dt = (table.time(B, k, name) if B else table.time(1, 0, name)) + prompt_tokens * joins.seconds_per_token
@@ -337,11 +336,6 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
             "steps": steps, "simulated_s": clock,
             "k_share": {str(k): c / decode_steps for k, c in sorted(k_steps.items())} if decode_steps else {},
             "acceptance_length": 1 + accepted_total / verifies if verifies else 1.0}
-
-
-def _drafts(r: _Request, k: int, joins: Joins) -> int:
-    """Drafts a decoding request verifies: k, capped (engine model only) by the tokens it may still emit."""
-    return min(k, r.left - 1) if joins.prompt_len else k
 
 
 def _prefill(active: list[_Request], budget: int, joins: Joins) -> tuple[int, list[_Request]]:
@@ -439,8 +433,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                       + ("Decode only (prefill not modelled); " if not a.prompt_len else
                          f"Prompts of {a.prompt_len} tokens prefilled in chunks under a {a.token_budget}-token step "
                          f"budget (decoding requests first), {1e6 * a.prefill_s_per_token:g} us a prompt token; a "
-                         "joining request verifies nothing until its prefill is done; drafts capped by the tokens a "
-                         "request has left (the engine's scheduler). ")
+                         "joining request verifies nothing until its prefill is done. ")
                       + "Closed loop, C requests in flight, output lengths uniform "
                       f"in 0.5..1.5 x {a.max_tokens}; throughput over the steady window (first completion to last "
                       "admission). batch_table = vLLM's static schedule tuned from the fixed-K cells of the same "

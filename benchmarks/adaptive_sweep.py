@@ -62,9 +62,9 @@ TRACE_FORMAT = "peagle-acceptance-trace/1"
 STEPS_FORMAT = "peagle-step-times/1"
 SWITCH_BURN_IN = 2  # --switchback: a turn's first steps verify drafts made to the previous policy's depth
 SWITCHBACK_NOTE = ("Switchback: at each level the policies took turns of {} steps in one closed loop on one engine, "
-                   "{} turns each (the order rotating), after an untimed warm-up wave. A cell is a policy's own "
-                   "turns: their output tokens over their wall time, the first {} steps of each turn not counted "
-                   "(they verify drafts made to the previous policy's depth). No TPOT: a request's tokens span "
+                   "{} turns each (in an order drawn afresh each cycle), after an untimed warm-up wave. A cell is a "
+                   "policy's own turns: their output tokens over their wall time, the first {} steps of each turn not "
+                   "counted (they verify drafts made to the previous policy's depth). No TPOT: a request's tokens span "
                    "several policies' turns. A round is one engine build; the rounds' spread is between builds.")
 FIXED_DEFAULT = (1, 3, 5, 7)
 POLICIES_DEFAULT = ("none", "K1", "K3", "K5", "K7", "adaptive", "batch_table", "ema_tiers")

@@ -317,10 +317,12 @@ TINY_TRACE = ROOT / "benchmarks" / "traces" / "tiny_peagle_k7.json"
 
 def test_the_simulated_level_has_the_sweeps_shape_step_for_step():
     """Joins modelled as the engine schedules them (128-token prompts prefilled in chunks under the 512-token
-    budget after the decoding requests, joiners verifying nothing until prefilled, drafts capped by the tokens
-    left) and the acceptance traces handed out in the sweep's order: every fixed-K cell of the graphed H200 sweep
-    takes exactly as many engine steps simulated as it took measured (step counts depend on scheduling and
-    acceptance, not on step times). Without the joins model the counts are off."""
+    budget after the decoding requests, joiners verifying nothing until prefilled) and the acceptance traces
+    handed out in the sweep's order: every fixed-K cell of the graphed H200 sweep takes exactly as many engine
+    steps simulated as it took measured (step counts depend on scheduling and acceptance, not on step times),
+    except K5 and K7 at 64 requests, 1-2% more steps simulated: that sweep's scheduler cut a request's last drafts
+    to the tokens it had left, which left prompts more of the budget where it binds; the scheduler no longer
+    does (a cut step ran eagerly), nor does the model. Without the joins model the counts are off."""
     sweep = json.loads(GRAPHED.read_text())
     trace = S.Trace.load(TINY_TRACE)
     table = adaptive_sim.StepTable(sweep, "min")
@@ -335,7 +337,11 @@ def test_the_simulated_level_has_the_sweeps_shape_step_for_step():
         K, C = f[0], c["concurrency"]
         args = (FixedDepth(K), c["policy"], table, trace, C, K, sweep["waves"], sweep["max_tokens"], 0, 0.0,
                 sweep["min_requests"])
-        assert adaptive_sim.simulate(*args, joins, slots[C])["steps"] == c["steps"], (c["policy"], C)
+        steps = adaptive_sim.simulate(*args, joins, slots[C])["steps"]
+        if C == 64 and K >= 5:
+            assert c["steps"] < steps <= 1.025 * c["steps"], (c["policy"], C, steps)
+        else:
+            assert steps == c["steps"], (c["policy"], C)
         old += adaptive_sim.simulate(*args)["steps"] == c["steps"]
     assert old < 5
 

@@ -202,18 +202,19 @@ def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot
 
 
 def test_the_tally_times_pure_decode_steps_by_the_k_verified():
-    """Mean step time per k over decode steps only: a step with prompt tokens in it, or one that captured a
-    graph, is not what k costs."""
+    """Mean step time per k over uniform decode steps only: a step with prompt tokens in it, one where a request
+    verified fewer drafts than k (it ran eagerly), or one that captured a graph, is not what k costs."""
     from peagle_core.spec.depth import DepthTally
 
     t = DepthTally()
     t.record(StepInfo(2, 0, 7), StepOutcome(1, [(1, 1), (1, 0)], 0.010, 4, drafted=1))
     t.record(StepInfo(2, 0, 7), StepOutcome(1, [(1, 0), (1, 0)], 0.012, 4, drafted=3))
-    t.record(StepInfo(2, 0, 7), StepOutcome(3, [(3, 2), (2, 0)], 0.020, 7, drafted=3))  # one request held 2
+    t.record(StepInfo(2, 0, 7), StepOutcome(3, [(3, 2), (3, 0)], 0.020, 8, drafted=3))
+    t.record(StepInfo(2, 0, 7), StepOutcome(3, [(3, 2), (2, 0)], 0.045, 7, drafted=3))  # one request held 2
     t.record(StepInfo(2, 0, 7), StepOutcome(3, [(3, 0), (3, 1)], 0.050, 40))  # a prompt chunk in the step
     t.record(StepInfo(2, 0, 7), StepOutcome(1, [(1, 1), (1, 1)], 0.900, 4, timed=False))  # a capture
     d = t.as_dict()
-    assert d["steps"] == 5 and d["steps_at_k.1"] == 3 and d["steps_at_k.3"] == 2
+    assert d["steps"] == 6 and d["steps_at_k.1"] == 3 and d["steps_at_k.3"] == 3
     assert d["decode_steps_at_k.1"] == 2 and d["decode_seconds_at_k.1"] == pytest.approx(0.022)
     assert d["decode_steps_at_k.3"] == 1 and d["decode_seconds_at_k.3"] == pytest.approx(0.020)
     assert d["decode_drafted_at_k.1"] == 4 and d["decode_drafted_at_k.3"] == 3

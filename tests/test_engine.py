@@ -121,6 +121,30 @@ def test_stop_token_ids_and_max_tokens(tiny_pair, reference):
     assert out.token_ids == ref[:3] and out.finish_reason == "length"
 
 
+def test_a_request_near_max_tokens_verifies_every_draft_and_stops_at_the_limit(tiny_pair, reference):
+    """Drafts are not cut to the tokens a request has left: a decode step stays uniform (the CUDA-graph case; a
+    request's last step verifying fewer drafts than the others made the step run eagerly, ~2x a graphed step on
+    the H200) and what is accepted past max_tokens is dropped, so the output still ends exactly at the limit."""
+    from peagle_core.engine.graphs import is_uniform_decode
+
+    llm = with_oracle_drafts(LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, "peagle", 7)),
+                             reference, corrupt=0.0)
+    runner, decode_steps = llm.engine.runner, []
+    execute = runner.execute
+
+    def recording(batch, **kw):
+        if all(s.num_new == 1 and s.num_drafts for s in batch):
+            decode_steps.append(is_uniform_decode(batch))
+        return execute(batch, **kw)
+
+    runner.execute = recording
+    limits = [9, 13, 24, 5]  # none a multiple of the 8 tokens a fully accepted step emits
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in limits])
+    for p, n, o in zip(PROMPTS, limits, outs):
+        assert o.outputs[0].token_ids == reference[tuple(p)][:n] and o.outputs[0].finish_reason == "length"
+    assert decode_steps and all(decode_steps)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
