@@ -350,20 +350,19 @@ def _neighbours(log_err: list[float], seen: list[int]) -> list[float]:
     """Per k: the log error of the observed cell (k in `seen`, ascending) nearest to k other than k itself, the
     mean of both at equal distance (k's own if it is the only one). One pass for every k: it runs on every
     observed step."""
-    out, i = [], 0  # seen[i] is the first observed k at or after the current one
+    out, i, n = [], 0, len(seen)
     for k in range(len(log_err)):
-        while i < len(seen) and seen[i] < k:
-            i += 1
-        left = seen[i - 1] if i > 0 else None
-        right = next((j for j in seen[i:i + 2] if j != k), None)
-        if left is None and right is None:
-            out.append(log_err[k])  # k is the only observed cell: nothing else to borrow from
-        elif left is None or (right is not None and right - k < k - left):
-            out.append(log_err[right])
-        elif right is None or k - left < right - k:
-            out.append(log_err[left])
+        while i < n and seen[i] < k:
+            i += 1  # seen[i]: the first observed cell at or after k
+        j = i + 1 if i < n and seen[i] == k else i  # the first after k
+        if i == 0:
+            out.append(log_err[seen[j]] if j < n else log_err[k])  # none before k (k alone: its own)
+        elif j == n or k - seen[i - 1] < seen[j] - k:
+            out.append(log_err[seen[i - 1]])
+        elif seen[j] - k < k - seen[i - 1]:
+            out.append(log_err[seen[j]])
         else:
-            out.append((log_err[left] + log_err[right]) / 2)
+            out.append((log_err[seen[i - 1]] + log_err[seen[j]]) / 2)
     return out
 
 
