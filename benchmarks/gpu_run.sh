@@ -3,6 +3,7 @@
 # Results land in $OUT (the device tool brings them back); run from the repository root:
 #   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, routing, drafter GEMMs by M, `peagle bench`
 #   bash benchmarks/gpu_run.sh gpu-tests # one H200: every GPU test (bench runs them under a 280 s cut)
+#   bash benchmarks/gpu_run.sh ab        # one H200: decode-step profiles of this tree against an earlier commit's
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
@@ -87,6 +88,31 @@ case "${1:-}" in
     timeout 60 python3 benchmarks/gemm_m.py --out "$OUT" > /dev/null 2>&1
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tail -n 40
     ;;
+  ab)  # one H200: a change's decode-step profile against an earlier commit's, in one call. BASE: that commit's code
+       # (`git archive -o data/base.tgz REV kernels peagle_core ':(exclude)peagle_core/assets'`, carried); rounds of
+       # `profile_step.py --graphs-only --skip-draft`, base then this tree, with the GPU tests of AB_TESTS between the
+       # first round and the rest; AB_VARIANTS: more runs of this tree, ';'-separated "name:env...:profile args"
+       mkdir -p /tmp/base/benchmarks && tar xzf "${BASE:-data/base.tgz}" -C /tmp/base || exit 1
+       cp benchmarks/profile_step.py /tmp/base/benchmarks/  # (the flags; it imports the code beside it)
+       ab_profile() {  # ab_profile NAME DIR [ENV...] [-- ARGS...]
+         local name=$1 dir=$2 envs=() ; shift 2
+         while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done; [ "${1:-}" = -- ] && shift
+         (cd "$dir" && env PYTHONPATH="$dir:/tmp/site" "${envs[@]}" timeout "${AB_TIMEOUT:-120}" python3 \
+           benchmarks/profile_step.py --graphs-only --skip-draft "$@" --out "/tmp/ab/$name") 2>&1 \
+           | grep -v "^USDT\|^STAGE" | sed "s/^/$name: /" | tail -n 3
+       }
+       ab_profile base_1 /tmp/base; ab_profile new_1 "$PWD"
+       timeout "${AB_TESTS_TIMEOUT:-200}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=10 \
+         ${AB_TESTS:-$GPU_TESTS} > "$OUT/gpu_tests.log" 2>&1
+       grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
+       for ((r = 2; r <= ${AB_ROUNDS:-2}; r++)); do ab_profile "base_$r" /tmp/base; ab_profile "new_$r" "$PWD"; done
+       IFS=';' read -ra variants <<< "${AB_VARIANTS:-}"
+       for v in "${variants[@]}"; do
+         IFS=':' read -r vname venv vargs <<< "$v"
+         ab_profile "$vname" "$PWD" $venv -- $vargs
+       done
+       tar czf "$OUT/ab.tgz" -C /tmp ab
+       ;;
   gpu-tests)  # one H200: every GPU test, with their durations
     timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=30 $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 40

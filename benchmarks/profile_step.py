@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.31, help="for the bandwidth-bound column")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run, no kernel table)")
     ap.add_argument("--skip-draft", action="store_true", help="no drafter cases")
+    ap.add_argument("--graphs-only", action="store_true", help="no eager cases (A/B runs of the captured steps)")
+    ap.add_argument("--max-kv-splits", type=int, default=None,
+                    help="cap the paged attention's KV splits (what a different split rule would give)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the decode step from graphs with PEAGLE_PDL=1 (programmatic dependent launch)")
     ap.add_argument("--out", required=True)
@@ -123,6 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("profile_step.py: no CUDA device (--device cpu for a smoke run)")
     import datetime
+    if a.max_kv_splits:
+        import kernels.triton_attention as attention
+        rule = attention.kv_splits
+        attention.kv_splits = lambda *args: min(rule(*args), a.max_kv_splits)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     res = {"shape": a.shape, "context": a.context, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
-    graph_modes = (True, False) if dev.type == "cuda" else (False,)
+    graph_modes = ((True,) if a.graphs_only else (True, False)) if dev.type == "cuda" else (False,)
     cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k), f"k={k} graphs={g}")
              for k in (0, 7) for g in graph_modes]
     if a.pdl:  # right after the decode step without it, so both are measured before anything can time out

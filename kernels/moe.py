@@ -17,9 +17,36 @@ which round after each expert's add, give their finished output as S = 1.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.dispatch import needs_grad, use_triton
+
+
+class Routing(NamedTuple):
+    """A batch's routing, as `norm_and_route` hands it to `moe(..., routing=)`: gates [T, k] in x.dtype and
+    experts [T, k] int64 by descending logit (`route`), and the pairs sorted by expert (order, offsets) when the
+    Triton routing launch sorted them too, else None."""
+
+    gates: torch.Tensor
+    experts: torch.Tensor
+    sorted_pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def norm_and_route(h: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                   router_w: torch.Tensor, router_b: torch.Tensor, top_k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+    """(x, new_residual, routing of x): `kernels.norm.add_rms_norm(h, residual, norm_w, eps)` and then `route`,
+    the MoE's norm and router together. On the GPU at decode sizes one launch does both (the norm's launch and
+    its gap saved in every MoE layer: `kernels.triton_routing.norm_route_and_sort_pairs`)."""
+    if use_triton(h) and not needs_grad(h, residual, norm_w, router_w, router_b):
+        from kernels.triton_routing import norm_route_and_sort_pairs
+        x, new_residual, *routing = norm_route_and_sort_pairs(h, residual, norm_w, eps, router_w, router_b, top_k)
+        return x, new_residual, Routing(*routing)
+    from kernels.norm import add_rms_norm_ref
+    x, new_residual = add_rms_norm_ref(h, residual, norm_w, eps)
+    return x, new_residual, Routing(*route_ref(x, router_w, router_b, top_k))
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int
@@ -47,15 +74,17 @@ def swiglu(z: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 
 def moe(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
         w2: torch.Tensor, b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
-        reduce: bool = True) -> torch.Tensor:
-    """x [T, H] -> [T, H], or summands [T, S, H] with reduce=False (see the module docstring)."""
+        reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
+    """x [T, H] -> [T, H], or summands [T, S, H] with reduce=False (see the module docstring). `routing`: x's
+    routing, already worked out (`norm_and_route`), else routed here."""
     if use_triton(x):
         from kernels.triton_moe import moe_triton
-        return moe_triton(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce)
-    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce)
+        return moe_triton(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce, routing=routing)
+    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce, routing=routing)
 
 
-def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, *, reduce: bool = True) -> torch.Tensor:
+def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, *, reduce: bool = True,
+            routing: Routing | None = None) -> torch.Tensor:
     """Two exact formulations; both add a token's expert outputs in ascending expert order. With reduce=False
     the output comes as one summand, [T, 1, H] (a view): its per-expert adds are already rounded.
 
@@ -67,7 +96,7 @@ def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, *, reduc
     a CPU runs dense only at decode sizes. Packed MXFP4 experts (`_UnpackedExperts`) always loop, so only
     the experts a batch selects are ever unpacked.
     """
-    gates, experts = route_ref(x, router_w, router_b, top_k)
+    gates, experts = routing[:2] if routing is not None else route_ref(x, router_w, router_b, top_k)
     out = torch.zeros_like(x)
     if torch.is_tensor(w1):
         (E, two_i, H), T = w1.shape, x.shape[0]
@@ -91,25 +120,26 @@ def moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, *, reduc
 
 def moe_mxfp4(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
               w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
-              b2: torch.Tensor, top_k: int, alpha: float, limit: float, *, reduce: bool = True) -> torch.Tensor:
+              b2: torch.Tensor, top_k: int, alpha: float, limit: float, *, reduce: bool = True,
+              routing: Routing | None = None) -> torch.Tensor:
     """`moe` over packed MXFP4 experts: x [T, H] -> [T, H], or summands [T, S, H] with reduce=False."""
     if use_triton(x):
         from kernels.triton_moe_mxfp4 import moe_mxfp4_triton
         return moe_mxfp4_triton(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2,
-                                top_k, alpha, limit, reduce=reduce)
+                                top_k, alpha, limit, reduce=reduce, routing=routing)
     return moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit,
-                         reduce=reduce)
+                         reduce=reduce, routing=routing)
 
 
 def moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit, *,
-                  reduce: bool = True) -> torch.Tensor:
+                  reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
     """Dequantize, then `moe_ref`. Experts are unpacked one at a time as `moe_ref` reads them, so only
     the experts a batch selects are ever expanded (never the layer's whole bf16 weights)."""
     check_moe_shapes(x, router_w, router_b, mxfp4_shape(w1_blocks, w1_scales, "w1"), b1,
                      mxfp4_shape(w2_blocks, w2_scales, "w2"), b2, top_k, "w1_blocks", "w2_blocks")
     w1 = _UnpackedExperts(w1_blocks, w1_scales, x.dtype)
     w2 = _UnpackedExperts(w2_blocks, w2_scales, x.dtype)
-    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce)
+    return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce, routing=routing)
 
 
 class _UnpackedExperts:

@@ -219,7 +219,20 @@ class AttnLaunch:
     num_stages: int
 
 
-def attention_launch(q: torch.Tensor, num_kv_heads: int, num_seqs: int, kv_capacity: int) -> AttnLaunch:
+def kv_splits(programs: int, sms: int, kv_extent: int, block_n: int) -> int:
+    """KV splits per tile: only when the grid cannot fill the GPU (small-batch decode/verify), enough programs
+    for ~2 waves, each split still reading a few KV tiles of the `kv_extent` keys a tile can see."""
+    if programs >= sms:
+        return 1
+    splits = min(triton.next_power_of_2(triton.cdiv(2 * sms, programs)), 32)
+    return max(1, min(splits, triton.cdiv(kv_extent, 4 * block_n)))
+
+
+def attention_launch(q: torch.Tensor, num_kv_heads: int, num_seqs: int, kv_capacity: int,
+                     window: int | None = None) -> AttnLaunch:
+    """`kv_capacity`: the keys a block table can hold (what a captured graph knows of the context). A sliding
+    window bounds the keys a tile sees to the window plus the tile's span: GPT-OSS's 128-token layers then take
+    one split and no merge launch (at bs 1 they took 32 splits, one of them with keys, and the merge)."""
     T, Hq, D = q.shape
     group_pad = triton.next_power_of_2(Hq // num_kv_heads)
     # Rows per tile: at least 16 (tl.dot), more when requests carry many query tokens.
@@ -231,12 +244,9 @@ def attention_launch(q: torch.Tensor, num_kv_heads: int, num_seqs: int, kv_capac
     programs = (T // block_q + num_seqs) * num_kv_heads
     splits = 1
     if q.is_cuda:
-        # Split the KV range only when the grid cannot fill the GPU (small-batch decode/verify):
-        # enough programs for ~2 waves, each split still reading a few KV tiles.
         sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        if programs < sms:
-            splits = min(triton.next_power_of_2(triton.cdiv(2 * sms, programs)), 32)
-            splits = max(1, min(splits, triton.cdiv(kv_capacity, 4 * block_n)))
+        extent = min(kv_capacity, window + block_q - 1) if window else kv_capacity
+        splits = kv_splits(programs, sms, extent, block_n)
     return AttnLaunch(block_q, block_n, splits, num_warps=8 if rows >= 128 else 4, num_stages=3)
 
 
@@ -283,7 +293,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     group = Hq // Hkv
     group_pad = triton.next_power_of_2(group)
-    launch = attention_launch(q, Hkv, B, block_tables.shape[1] * page)
+    launch = attention_launch(q, Hkv, B, block_tables.shape[1] * page, sliding_window)
     block_q, block_n = launch.block_q, launch.block_n
     splits = num_kv_splits or launch.num_splits
     block_d = max(16, triton.next_power_of_2(D))
@@ -315,4 +325,4 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-__all__ = ["paged_attention_triton", "segment_of_tile", "attention_launch", "AttnLaunch"]
+__all__ = ["paged_attention_triton", "segment_of_tile", "attention_launch", "kv_splits", "AttnLaunch"]

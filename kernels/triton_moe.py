@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import pdl_launch
-from kernels.moe import check_moe_shapes
+from kernels.moe import Routing, check_moe_shapes
 from kernels.triton_attention import segment_of_tile
 from kernels.triton_routing import SORT_MAX_ELEMS, counting_sort, route_and_sort_pairs
 
@@ -248,11 +248,14 @@ class RoutedPairs:
 
 
 def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int,
-                   mxfp4: bool = False) -> RoutedPairs:
+                   mxfp4: bool = False, routing: Routing | None = None) -> RoutedPairs:
     """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights), on device: one launch at decode sizes (the
-    routing kernel sorts the pairs too), else the routing kernel then `sort_pairs_by_expert`."""
+    routing kernel sorts the pairs too), else the routing kernel then `sort_pairs_by_expert`. A `routing`
+    worked out already (`kernels.moe.norm_and_route`) is only sorted, if it is not yet."""
     T, E = x.shape[0], router_w.shape[0]
-    gates, experts, sorted_pairs = route_and_sort_pairs(x, router_w, router_b, top_k)
+    if routing is not None and tuple(routing.experts.shape) != (T, top_k):
+        raise ValueError(f"moe: routing for {tuple(routing.experts.shape)} pairs, x needs ({T}, {top_k})")
+    gates, experts, sorted_pairs = routing or route_and_sort_pairs(x, router_w, router_b, top_k)
     order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
     tiles = moe_tiles(T, top_k, mxfp4)
     return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, one_tile=T <= tiles.block_m)
@@ -267,7 +270,7 @@ def token_outputs(y: torch.Tensor, num_tokens: int, top_k: int, reduce: bool) ->
 
 def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: torch.Tensor,
                b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, top_k: int, alpha: float,
-               limit: float, *, reduce: bool = True) -> torch.Tensor:
+               limit: float, *, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False."""
     check_moe_shapes(x, router_w, router_b, tuple(w1.shape), b1, tuple(w2.shape), b2, top_k)
     T, H = x.shape
@@ -280,7 +283,7 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     b1, b2 = b1.contiguous(), b2.contiguous()
 
-    r = route_and_sort(x, router_w, router_b, top_k)
+    r = route_and_sort(x, router_w, router_b, top_k, routing=routing)
     tiles = r.tiles
     dot_prec = "ieee" if x.dtype == torch.float32 else "tf32"
 

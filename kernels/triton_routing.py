@@ -19,6 +19,13 @@ order differs, so a logit can land one rounding step away from the reference's),
 sort over the whole batch. The first call on a device must run outside CUDA-graph capture (it allocates the
 counter).
 
+The MoE's norm rides in that launch too, up to NORM_ROUTE_MAX_TOKENS tokens (`norm_route_and_sort_pairs`, for
+`kernels.moe.norm_and_route`): every program reads its tokens' rows of h and the residual, adds them and takes
+their rms as `kernels.triton_norm` does, normalises its hidden slice and routes from that, and the first expert
+block's programs store the normed rows and the new residual. A bs-1 decode step of the 20B shape lost its 24
+norm launches; with one split for the sliding-window layers' attention (`kernels.triton_attention.kv_splits`)
+it went from 3.21-3.24 to 2.93-2.96 ms on one H200, alternating runs (docs/benchmarks/ab_fewer_launches.md).
+
 Larger batches, or a sort too large for one program (E = 128 above 32 tokens at k = 4), take the router
 linear from cuBLAS (`F.linear`, the reference's), then `_route_kernel` (BLOCK_T tokens a program, no sort).
 
@@ -48,6 +55,11 @@ LOGIT_TILE = 8192
 LOGIT_WARPS = 16
 LOGIT_SLICE_BYTES = 32 * 1024
 LOGIT_PARTIAL_BYTES = 32 * 1024
+# The norm before the router rides in the one-launch path up to this many tokens: each of its ~32-64 programs
+# reads its tokens' whole rows of h and the residual for their rms (2 * T * H elements; 92 KB from L2 at T = 8,
+# GPT-OSS-20B), against the norm launch and its gap it saves (2.6 + ~1.2 us a layer at bs 1 on an H200,
+# docs/benchmarks/profile.md). Decode up to 8 requests and a bs-1 verify of 7 drafts are inside it.
+NORM_ROUTE_MAX_TOKENS = 8
 
 
 @triton.jit
@@ -133,8 +145,25 @@ def _route_kernel(logits_ptr, gates_ptr, experts_ptr, num_tokens, num_experts, s
 
 
 @triton.jit
+def _row_rstd(h_rows, res_rows, pair_ok, hidden, eps, PAIRS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """1 / rms of each pair's token row of the new residual h + res (each element rounded to h's dtype first, as
+    the stored `x + residual` that `kernels.norm.add_rms_norm` normalises): fp32, over the whole row."""
+    hs = tl.arange(0, BLOCK_H)
+    squares = tl.zeros([PAIRS], tl.float32)
+    for h0 in tl.range(0, hidden, BLOCK_H):
+        mask = pair_ok[:, None] & (h0 + hs < hidden)[None, :]
+        s = tl.load(h_rows + (h0 + hs)[None, :], mask=mask, other=0.0).to(tl.float32)
+        s += tl.load(res_rows + (h0 + hs)[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = s.to(h_rows.dtype.element_ty).to(tl.float32)
+        squares += tl.sum(s * s, 1)
+    return tl.math.rsqrt(squares / hidden + eps)
+
+
+@triton.jit
 def _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
-                    LOGIT_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                    LOGIT_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                    NORM: tl.constexpr = False, res_ptr=None, norm_w_ptr=None, normed_ptr=None, res_out_ptr=None,
+                    eps=0.0, stride_rt=0, stride_ot=0):
     """partial[s, t, e] = sum of x[t, h] * w[e, h] over the hidden slice s = program_id(1), in fp32, for every
     token t and the BLOCK_E experts e of program_id(0).
 
@@ -142,7 +171,12 @@ def _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, 
     vectorised, and no layout conversion in the loop, which a [T, E, H] broadcast product needed); a row of w
     repeats for every token and of x for every expert, reloads that hit L1. Products accumulate elementwise and
     are reduced across threads once, after the loop, so an iteration is only loads and FMAs; it is unrolled
-    twice, so two chunks' loads are in flight at once."""
+    twice, so two chunks' loads are in flight at once.
+
+    NORM: x_ptr holds h and res_ptr the residual of `add_rms_norm(h, residual, norm_w, eps)`, and the products
+    are of its normed rows, computed here as the norm kernel computes them (every program reads its tokens'
+    whole rows once for their rms: `NORM_ROUTE_MAX_TOKENS` bounds that); the programs of the first expert block
+    store the normed rows and the new residual of their slice."""
     split = tl.program_id(1)
     pair = tl.arange(0, LOGIT_T * BLOCK_E)
     tok = pair // BLOCK_E
@@ -153,10 +187,22 @@ def _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, 
     hs = tl.arange(0, BLOCK_H)
     h_start = split * slice_len
     h_end = tl.minimum(h_start + slice_len, hidden)
+    if NORM:
+        res_rows = res_ptr + tok.to(tl.int64)[:, None] * stride_rt
+        r = _row_rstd(x_rows, res_rows, pair_ok, hidden, eps, LOGIT_T * BLOCK_E, BLOCK_H)[:, None]
+        out_at = tok.to(tl.int64)[:, None] * stride_ot
+        writes = (pair_ok & (exp == 0))[:, None]  # one pair a token: the first expert block's, expert 0
     acc = tl.zeros([LOGIT_T * BLOCK_E, BLOCK_H], tl.float32)
     for h0 in tl.range(h_start, h_end, BLOCK_H, loop_unroll_factor=2):
         mask = pair_ok[:, None] & (h0 + hs < h_end)[None, :]
         x = tl.load(x_rows + (h0 + hs)[None, :], mask=mask, other=0.0)
+        if NORM:  # exactly the norm kernel's arithmetic (kernels/triton_norm.py)
+            s = x.to(tl.float32) + tl.load(res_rows + (h0 + hs)[None, :], mask=mask, other=0.0).to(tl.float32)
+            stored = s.to(res_out_ptr.dtype.element_ty)
+            g = tl.load(norm_w_ptr + h0 + hs, mask=h0 + hs < h_end, other=0.0).to(tl.float32)[None, :]
+            x = (g * (stored.to(tl.float32) * r)).to(normed_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + out_at + (h0 + hs)[None, :], stored, mask=mask & writes)
+            tl.store(normed_ptr + out_at + (h0 + hs)[None, :], x, mask=mask & writes)
         w = tl.load(w_rows + (h0 + hs)[None, :], mask=mask, other=0.0)
         acc += x.to(tl.float32) * w.to(tl.float32)
     tl.store(partial_ptr + (split * num_tokens + tok) * num_experts + exp, tl.sum(acc, 1), mask=pair_ok)
@@ -185,14 +231,17 @@ def _logits_route_kernel(x_ptr, w_ptr, b_ptr, partial_ptr, counter_ptr, gates_pt
                          TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
                          SORT: tl.constexpr, SORT_E_PAD: tl.constexpr, LOGIT_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+                         res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps, stride_rt, stride_ot,
+                         NORM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     """The one-launch path (every token fits BLOCK_T): each program sums its experts' logits over its hidden
-    slice; the last one to finish completes the logits and routes (and sorts) the whole batch."""
+    slice; the last one to finish completes the logits and routes (and sorts) the whole batch. With NORM the
+    residual add and RMSNorm before the router ride along (`_partial_logits`)."""
     # PDL: every program waits for the previous kernel first, so also before the arrival counter's atomic
     if USE_PDL:  # (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
-                    LOGIT_T, BLOCK_E, BLOCK_H)
+                    LOGIT_T, BLOCK_E, BLOCK_H, NORM, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps,
+                    stride_rt, stride_ot)
     # Every thread's stores precede the barrier, the barrier precedes the release (one thread's atomic): the
     # program that acquires the final count sees every program's partial sums.
     tl.debug_barrier()
@@ -256,8 +305,8 @@ def one_launch(T: int, E: int, top_k: int) -> bool:
     return 0 < T <= block_t and block_t * k_pad * sort_e_pad <= SORT_MAX_ELEMS
 
 
-def _route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int, sort: bool
-           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+def _route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int, sort: bool,
+           norm: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     T, H = x.shape
     E = router_w.shape[0]
     if tuple(router_w.shape) != (E, H) or tuple(router_b.shape) != (E,):
@@ -287,15 +336,44 @@ def _route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_
         offsets = torch.empty(E + 1, device=x.device, dtype=torch.int32)
         sorted_pairs = (order, offsets)
     _launch_one(x, router_w, router_b, gates, experts, order, offsets,
-                dict(TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, SORT=sort, SORT_E_PAD=sort_e_pad))
+                dict(TOP_K=top_k, K_PAD=k_pad, E_PAD=e_pad, BLOCK_T=block_t, SORT=sort, SORT_E_PAD=sort_e_pad), norm)
     return gates, experts, sorted_pairs
 
 
+def fuses_norm(h: torch.Tensor, residual: torch.Tensor | None, num_experts: int, top_k: int) -> bool:
+    """Whether `add_rms_norm(h, residual)` before routing rides in the routing launch: a residual of h's shape
+    and dtype (not MoE summands), and few enough tokens (`NORM_ROUTE_MAX_TOKENS`) in one launch."""
+    return (residual is not None and h.dim() == 2 and residual.shape == h.shape and residual.dtype == h.dtype
+            and 0 < h.shape[0] <= NORM_ROUTE_MAX_TOKENS and one_launch(h.shape[0], num_experts, top_k))
+
+
+def norm_route_and_sort_pairs(h: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                              router_w: torch.Tensor, router_b: torch.Tensor, top_k: int):
+    """`kernels.norm.add_rms_norm(h, residual, norm_w, eps)` -> (x, new_residual), then `route_and_sort_pairs(x,
+    ...)`: returns (x, new_residual, gates, experts, sorted pairs or None). One launch where `fuses_norm` (the
+    norm's own launch and its gap saved: every MoE layer of a decode or small verify step), else two."""
+    E = router_w.shape[0]
+    if not fuses_norm(h, residual, E, top_k):
+        from kernels.norm import add_rms_norm
+        x, new_residual = add_rms_norm(h, residual, norm_w, eps)
+        return x, new_residual, *route_and_sort_pairs(x, router_w, router_b, top_k)
+    H = h.shape[-1]
+    if norm_w.shape != (H,):
+        raise ValueError(f"weight must be [{H}], got {tuple(norm_w.shape)}")
+    h = h if h.stride(-1) == 1 else h.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    x, new_residual = torch.empty_like(h), torch.empty_like(h)
+    norm = (residual, norm_w.contiguous(), x, new_residual, float(eps))
+    return x, new_residual, *_route(h, router_w, router_b, top_k, sort=True, norm=norm)
+
+
 def _launch_one(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, gates: torch.Tensor,
-                experts: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, meta: dict) -> None:
+                experts: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, meta: dict,
+                norm: tuple | None = None) -> None:
     """`_logits_route_kernel` over (expert blocks, hidden slices). The products tile is LOGIT_T * BLOCK_E by
     BLOCK_H (LOGIT_T: T rounded up to a power of 2; BLOCK_T's 16 would only shrink BLOCK_H at T = 1): at
-    T = 1 a whole 2880-wide row of x and of w loads at once."""
+    T = 1 a whole 2880-wide row of x and of w loads at once. `norm` = (residual, norm weight, normed out, new
+    residual out, eps): x is the norm's input h and the norm rides along (`norm_route_and_sort_pairs`)."""
     T, H = x.shape
     E = router_w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -308,11 +386,13 @@ def _launch_one(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor,
     splits = triton.cdiv(H, slice_len)
     block_h = min(triton.next_power_of_2(slice_len), max(16, LOGIT_TILE // (logit_t * block_e)))
     partial = torch.empty(splits, T, E, device=x.device, dtype=torch.float32)  # scratch
+    res, norm_w, normed, res_out, eps = norm if norm is not None else (x, x, x, x, 0.0)  # unread without a norm
     _logits_route_kernel[(triton.cdiv(E, block_e), splits)](
         x, router_w, router_b, partial, _arrival_counter(x.device), gates, experts, order, offsets,
         T, E, H, slice_len, x.stride(0), router_w.stride(0),
-        **meta, LOGIT_T=logit_t, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits, num_warps=LOGIT_WARPS,
-        **pdl_launch(x))
+        **meta, LOGIT_T=logit_t, BLOCK_E=block_e, BLOCK_H=block_h, SPLITS=splits,
+        res_ptr=res, norm_w_ptr=norm_w, normed_ptr=normed, res_out_ptr=res_out, eps=eps, stride_rt=res.stride(0),
+        stride_ot=normed.stride(0), NORM=norm is not None, num_warps=LOGIT_WARPS, **pdl_launch(x))
 
 
 def logit_splits(T: int, E: int, H: int, elem_bytes: int) -> int:
@@ -324,5 +404,5 @@ def logit_splits(T: int, E: int, H: int, elem_bytes: int) -> int:
     return max(1, min(want, LOGIT_PARTIAL_BYTES // (T * E * 4), triton.cdiv(H, 16)))
 
 
-__all__ = ["route_triton", "route_and_sort_pairs", "one_launch", "logit_splits", "counting_sort",
+__all__ = ["route_triton", "route_and_sort_pairs", "norm_route_and_sort_pairs", "fuses_norm", "one_launch", "logit_splits", "counting_sort",
            "SORT_MAX_ELEMS"]

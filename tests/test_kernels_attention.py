@@ -115,6 +115,17 @@ def test_paged_attention_writes_every_output_token(triton_interpret, monkeypatch
     assert out[4:].abs().max() == 0
 
 
+def test_kv_splits_follow_the_keys_a_tile_can_see(triton_interpret):
+    """The split count (a GPU's choice; CPU launches never split): bs-1 decode on an H200's 132 SMs splits a
+    full-attention layer's 16384-key capacity 32 ways, but a 128-token sliding-window layer not at all (its tile
+    sees at most 129 keys: one split, no merge launch); a full grid never splits."""
+    kv_splits = triton_interpret.attention.kv_splits
+    assert kv_splits(16, 132, 16384, 128) == 32
+    assert kv_splits(16, 132, 128 + 2 - 1, 128) == 1
+    assert kv_splits(16, 132, 1024, 128) == 2
+    assert kv_splits(132, 132, 8192, 128) == 1
+
+
 def test_window_and_sinks_change_the_result(triton_interpret):
     """Guards the oracle: the cases above would not notice a kernel that ignored window or sinks."""
     b = make_batch(MIXED, 4, 2, 16, 16)

@@ -30,7 +30,7 @@ from kernel_utils import _load_kernels, _triton_interpreted, is_triton_jit
 from kernels.attention import paged_attention
 from kernels.dispatch import set_triton_enabled, triton_enabled
 from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
-from kernels.moe import moe, moe_mxfp4, route
+from kernels.moe import moe, moe_mxfp4, norm_and_route, route
 from kernels.norm import add_rms_norm
 from kernels.rope import apply_rope, rope_write_kv
 from kernels.sampling import rejection_sample
@@ -213,6 +213,8 @@ def routing() -> None:
         route_and_sort_pairs(randn(T, 2880), randn(E, 2880), randn(E), 4)
     for T, E in ((1, 32), (150, 32), (40, 128)):
         route(randn(T, 2880), randn(E, 2880), randn(E), 4)
+    for T, E in ((1, 32), (8, 32), (8, 128)):  # the MoE's norm riding in the routing launch (decode, bs-1 verify)
+        norm_and_route(randn(T, 2880), randn(T, 2880), randn(2880), 1e-5, randn(E, 2880), randn(E), 4)
 
 
 def sampling() -> None:

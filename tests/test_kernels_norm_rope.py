@@ -250,7 +250,8 @@ def test_target_moe_sum_folded_into_the_next_norm_changes_nothing(triton_interpr
         assert torch.equal(got, want)
 
 
-def test_models_with_triton_norm_and_rope_match_the_references(triton_interpret):
+@pytest.mark.parametrize("lengths", [[7, 5], [3, 2]])  # 12 tokens: the MoE's norm on its own; 5: in the routing launch
+def test_models_with_triton_norm_and_rope_match_the_references(triton_interpret, lengths):
     """The wiring: target and drafter forwards with the Triton kernels (interpreted) agree with the references."""
     from kernels.dispatch import set_triton_enabled
 
@@ -258,8 +259,10 @@ def test_models_with_triton_norm_and_rope_match_the_references(triton_interpret)
     target = init_random_(GptOss(cfg), 0).eval()
     target.set_aux_layers([1, 2, 3])
     drafter = init_random_(Drafter(tiny_drafter_config(cfg), 3), 1).eval()
-    ids = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
-    meta = ForwardMeta.for_sequences([7, 5])
+    assert triton_interpret.routing.fuses_norm(torch.empty(5, 1), torch.empty(5, 1), cfg.num_local_experts,
+                                               cfg.num_experts_per_tok)
+    ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    meta = ForwardMeta.for_sequences(lengths)
     outs = {}
     with torch.no_grad():
         for kernels_on in (True, False):

@@ -21,12 +21,15 @@ GPU (skipped here): compiled, bf16, GPT-OSS shapes (H = 2880, E = 32 and 128, k 
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
 from kernels.dispatch import use_triton
-from kernels.moe import route, route_ref
+from kernels.moe import norm_and_route, route, route_ref
+from kernels.norm import add_rms_norm_ref
 
 
 def exact_inputs(T: int, H: int, E: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -284,6 +287,100 @@ def test_empty_batch_and_fallback_past_64_tokens(triton_interpret, monkeypatch):
         assert torch.equal(experts, torch.topk(linear(x, w, b), 4).indices)
         torch.testing.assert_close(gates, torch.softmax(torch.topk(linear(x, w, b), 4).values, -1),
                                    atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The MoE's norm in the routing launch (`kernels.moe.norm_and_route`)
+# ---------------------------------------------------------------------------------------------
+
+def unfused_norm_and_route(kernels, h, residual, norm_w, w, b, k):
+    """The two launches the fused one replaces: the Triton norm, then the Triton routing of its output."""
+    from kernels.norm import add_rms_norm
+    x, new_residual = add_rms_norm(h, residual, norm_w, 1e-5)
+    return x, new_residual, *kernels.routing.route_and_sort_pairs(x, w, b, k)
+
+
+NORM_ROUTE_CASES = [  # (T, H, E, k, slice bytes or None): one slice, several slices (the last one short)
+    pytest.param(1, 200, 32, 4, None, id="decode-T1"), pytest.param(3, 96, 8, 2, None, id="T3-E8"),
+    pytest.param(8, 150, 128, 4, None, id="T8-E128"), pytest.param(5, 130, 32, 4, 5 * 130 * 4 // 3, id="T5-slices"),
+    pytest.param(8, 72, 20, 3, 8 * 72 * 4 // 4, id="T8-slices-E20")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,E,k,slice_bytes", NORM_ROUTE_CASES)
+def test_norm_rides_in_the_routing_launch(triton_interpret, monkeypatch, dtype, T, H, E, k, slice_bytes):
+    """Up to NORM_ROUTE_MAX_TOKENS tokens, `norm_and_route` is one routing launch (no norm launch) whose outputs
+    are those of the norm kernel and the routing kernel run one after the other: the new residual exactly, the
+    normed rows within the rounding of a sum taken in another order (fp32 1e-6, bf16 one step), the routing a
+    valid top-k of the normed rows' own logits, sorted by expert; and, against the references, within the
+    tolerances of each kernel alone."""
+    routing = triton_interpret.routing
+    if slice_bytes is not None:  # several hidden slices: each program normalises its tokens' whole rows anyway
+        monkeypatch.setattr(routing, "LOGIT_SLICE_BYTES", slice_bytes)
+        assert routing.logit_splits(T, E, H, 4) > 1
+    g = torch.Generator().manual_seed(100 * T + E)
+    h, residual = torch.randn(T, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+    norm_w = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    w, b = (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype), torch.randn(E, generator=g).to(dtype)
+    assert routing.fuses_norm(h, residual, E, k)
+    norm_launches = []
+    norm = sys.modules["kernels.norm"]
+    monkeypatch.setattr(norm, "add_rms_norm", lambda *a: norm_launches.append(1) or norm.add_rms_norm_ref(*a))
+    x, new_residual, routed = norm_and_route(h, residual, norm_w, 1e-5, w, b, k)
+    assert norm_launches == [] and routed.sorted_pairs is not None
+    monkeypatch.undo()
+
+    want_x, want_residual, *_ = unfused_norm_and_route(triton_interpret, h, residual, norm_w, w, b, k)
+    assert torch.equal(new_residual, want_residual)
+    torch.testing.assert_close(x, want_x, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    assert_valid_routing(routed.gates, routed.experts, x, w, b, k,
+                         **(FP32_OWN if dtype == torch.float32 else {**BF16_OWN, "min_clear": 0.0}))
+    assert_sorted_pairs(triton_interpret, routed.sorted_pairs, routed.experts, E)
+    ref_x, ref_residual = add_rms_norm_ref(h, residual, norm_w, 1e-5)
+    if dtype == torch.float32:  # (bf16: the interpreter truncates where PyTorch rounds, tests/test_kernels_norm_rope.py)
+        assert torch.equal(new_residual, ref_residual)
+        torch.testing.assert_close(x, ref_x, rtol=1e-5, atol=1e-6)
+
+
+def test_norm_and_route_outside_the_fused_sizes(triton_interpret):
+    """More tokens than NORM_ROUTE_MAX_TOKENS, MoE summands or no residual: the norm launches on its own, with the
+    same results as the unfused pair; on the references (autograd recording) the norm and route references."""
+    routing = triton_interpret.routing
+    g = torch.Generator().manual_seed(0)
+    T, H, E, k = routing.NORM_ROUTE_MAX_TOKENS + 1, 64, 32, 4
+    w, b, norm_w = torch.randn(E, H, generator=g) / 8, torch.randn(E, generator=g), torch.randn(H, generator=g)
+    for h, residual in ((torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)),
+                        (torch.randn(3, k, H, generator=g), torch.randn(3, H, generator=g)),  # summands
+                        (torch.randn(3, H, generator=g), None)):
+        assert not routing.fuses_norm(h, residual, E, k)
+        x, new_residual, routed = norm_and_route(h, residual, norm_w, 1e-5, w, b, k)
+        want = unfused_norm_and_route(triton_interpret, h, residual, norm_w, w, b, k)
+        assert torch.equal(x, want[0]) and torch.equal(new_residual, want[1])
+        assert torch.equal(routed.gates, want[2]) and torch.equal(routed.experts, want[3])
+    w.requires_grad_(True)
+    x, new_residual, routed = norm_and_route(h, residual, norm_w, 1e-5, w, b, k)
+    assert routed.gates.grad_fn is not None and routed.sorted_pairs is None
+    want_x = add_rms_norm_ref(h, residual, norm_w, 1e-5)[0]
+    assert torch.equal(x, want_x) and torch.equal(routed.experts, route_ref(want_x, w, b, k)[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E", [32, 128])
+@pytest.mark.parametrize("T", [1, 2, 8])
+def test_norm_and_route_bf16_cuda(triton_cuda, T, E):
+    """Compiled, GPT-OSS shapes: the fused launch gives the unfused pair's residual exactly and its normed rows
+    within one bf16 step, and a valid routing of them, also replayed from a CUDA graph."""
+    g = torch.Generator().manual_seed(1000 + T)  # not `gaussian_inputs`' seed: h and w must not share draws
+    h, residual = (torch.randn(T, 2880, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    norm_w = (1 + 0.2 * torch.randn(2880, generator=g)).to("cuda", torch.bfloat16)
+    _, w, b = gaussian_inputs(T, 2880, E, seed=T, dtype=torch.bfloat16, device="cuda")
+    x, new_residual, routed = norm_and_route(h, residual, norm_w, 1e-5, w, b, 4)
+    want = unfused_norm_and_route(triton_cuda, h, residual, norm_w, w, b, 4)
+    assert torch.equal(new_residual, want[1])
+    torch.testing.assert_close(x, want[0], rtol=2 ** -7, atol=1e-6)
+    assert_valid_routing(routed.gates, routed.experts, x, w, b, 4, **{**BF16_OWN, "min_clear": 0.0})
+    assert_sorted_pairs(triton_cuda, routed.sorted_pairs, routed.experts, E)
+    assert_graph_replays_exactly(lambda: norm_and_route(h, residual, norm_w, 1e-5, w, b, 4)[2].experts, h)
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.moe import moe, moe_mxfp4
+from kernels.moe import Routing, moe, moe_mxfp4, norm_and_route
 from peagle_core.config import GptOssConfig, yarn_inv_freq
 from peagle_core.models.layers import Attention, ForwardMeta, RMSNorm, Rotary
 
@@ -48,12 +48,13 @@ class Experts(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden))
 
     def forward(self, x: torch.Tensor, router: Router, top_k: int, alpha: float, limit: float, *,
-                reduce: bool = True) -> torch.Tensor:
+                reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
         if self.mxfp4:
             return moe_mxfp4(x, router.weight, router.bias, self.w1_blocks, self.w1_scales, self.b1,
-                             self.w2_blocks, self.w2_scales, self.b2, top_k, alpha, limit, reduce=reduce)
+                             self.w2_blocks, self.w2_scales, self.b2, top_k, alpha, limit, reduce=reduce,
+                             routing=routing)
         return moe(x, router.weight, router.bias, self.w1, self.b1, self.w2, self.b2, top_k, alpha, limit,
-                   reduce=reduce)
+                   reduce=reduce, routing=routing)
 
 
 def _frozen(*shape: int) -> nn.Parameter:
@@ -68,9 +69,16 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, inter or cfg.intermediate_size, mxfp4_experts)
         self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
 
-    def forward(self, x: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
-        """x [T, H] -> [T, H], or with reduce=False summands [T, S, H] whose sum over S is that (`kernels.moe`)."""
-        return self.experts(x, self.router, self.top_k, self.alpha, self.limit, reduce=reduce)
+    def forward(self, x: torch.Tensor, *, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H], or with reduce=False summands [T, S, H] whose sum over S is that (`kernels.moe`).
+        `routing`: x's, from `norm_and_route` (else routed here)."""
+        return self.experts(x, self.router, self.top_k, self.alpha, self.limit, reduce=reduce, routing=routing)
+
+    def norm_and_route(self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                       ) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+        """`norm.add_norm(h, residual)` and the routing of its output, for `forward(x, routing=)`: at decode sizes
+        on the GPU one launch does both (`kernels.moe.norm_and_route`)."""
+        return norm_and_route(h, residual, norm.weight, norm.eps, self.router.weight, self.router.bias, self.top_k)
 
 
 def single_rank(t: torch.Tensor) -> torch.Tensor:
@@ -104,13 +112,14 @@ class DecoderLayer(nn.Module):
         each residual add is left to the norm after it, which fuses it (vLLM style). Without tensor parallelism
         the returned h is the MoE's summands [T, S, H] (`moe(..., reduce=False)`), and the next norm adds their
         sum too (one launch fewer a layer); with it, the MoE sums first: all-reducing k times the bytes would
-        cost more than the fold saves."""
+        cost more than the fold saves. The norm before the MoE comes with the routing (`MoE.norm_and_route`:
+        one launch at decode sizes on the GPU)."""
         x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.all_reduce(self.self_attn(x, meta))
-        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        x, residual, routing = self.mlp.norm_and_route(h, residual, self.post_attention_layernorm)
         if self.all_reduce is single_rank:
-            return self.mlp(x, reduce=False), residual
-        return self.all_reduce(self.mlp(x)), residual
+            return self.mlp(x, reduce=False, routing=routing), residual
+        return self.all_reduce(self.mlp(x, routing=routing)), residual
 
 
 class Body(nn.Module):
