@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_run.sh bench     # one H200: GPU tests, step profile, routing, drafter GEMMs by M, `peagle bench`
 #   bash benchmarks/gpu_run.sh gpu-tests # one H200: every GPU test (bench runs them under a 280 s cut)
 #   bash benchmarks/gpu_run.sh ab        # one H200: decode-step profiles of this tree against an earlier commit's
+#   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
@@ -113,6 +114,17 @@ case "${1:-}" in
        done
        tar czf "$OUT/ab.tgz" -C /tmp ab
        ;;
+  bench-first)  # one H200: `peagle bench` first, then where the bs-1 step goes (graphs; PROFILE_ARGS adds flags,
+                # e.g. a second run with --max-kv-splits 1), then the GPU tests of BENCH_TESTS in the time left
+    timeout "${BENCH_TIMEOUT:-220}" python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tail -n 30
+    timeout 120 python3 benchmarks/profile_step.py --graphs-only --out /tmp/profile 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 4
+    cp /tmp/profile/profile.json "$OUT/profile.json"; cp /tmp/profile/profile.md "$OUT/profile.md"
+    [ -z "${PROFILE_ARGS:-}" ] || { timeout 100 python3 benchmarks/profile_step.py --graphs-only --skip-draft $PROFILE_ARGS \
+      --out /tmp/profile2 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 2; cp /tmp/profile2/profile.json "$OUT/profile_args.json"; }
+    timeout "${TESTS_TIMEOUT:-200}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=10 \
+      ${BENCH_TESTS:-$GPU_TESTS} > "$OUT/gpu_tests.log" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
+    ;;
   gpu-tests)  # one H200: every GPU test, with their durations
     timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=30 $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 40
