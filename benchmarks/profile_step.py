@@ -67,13 +67,29 @@ def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed:
         runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
         batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
         wall, table = profile_calls(lambda: runner.execute(batch), dev, steps)
+        replay_ms = graph_replay_ms(runner, batch, dev) if graphs else None
     del runner
     release_caches(target)
     nbytes = decode_step_bytes(target, layout.context, 1, tokens_per_req=1 + k).total
     step = "decode" if k == 0 else f"verify k={k}"
     step += ", PDL" if pdl_used else ", PDL asked, unavailable" if pdl else ""
-    return {"step": step, "k": k, "graphs": graphs, "pdl": pdl_used, "wall_ms": wall,
+    return {"step": step, "k": k, "graphs": graphs, "pdl": pdl_used, "wall_ms": wall, "graph_replay_ms": replay_ms,
             "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3, "bytes": nbytes, "kernels": table}
+
+
+def graph_replay_ms(runner, batch, dev: torch.device) -> float | None:
+    """Median ms of the step's target graph replayed alone, back to back (CUDA events): the device's share of the
+    step, launch gaps inside the graph included. The step's wall time less this is the host's part (building and
+    uploading the inputs, sampling, the copy back) and the launches outside the graph."""
+    from peagle_core.engine.graphs import is_uniform_decode
+    target = getattr(runner.graphs, "target", None)
+    if target is None or dev.type != "cuda":
+        return None
+    with torch.inference_mode():
+        inp = runner._inputs(batch)
+        key = target.key(len(batch), inp.input_ids.shape[0], is_uniform_decode(batch), inp.block_tables.shape[1])
+        graph = target.graphs.get(key)
+        return None if graph is None else measure(graph.replay, dev, warmup=5, iters=30).median_ms
 
 
 def profile_draft(target, drafter, layout: Layout, K: int, graphs: bool, steps: int, seed: int) -> dict:
@@ -156,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             res.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
         else:
             res["cases"].append(c)
-            print(f"{c['step']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms, kernels {c['kernel_ms']:.3f} ms; "
+            replay = f", graph alone {c['graph_replay_ms']:.3f} ms" if c.get("graph_replay_ms") else ""
+            print(f"{c['step']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms{replay}, kernels {c['kernel_ms']:.3f} ms; "
                   f"top: " + ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us" for r in c["kernels"][:4]),
                   flush=True)
         (out / "profile.json").write_text(json.dumps(res, indent=1))
