@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import pdl_launch
-from kernels.moe import check_moe_shapes, mxfp4_shape
+from kernels.moe import Routing, check_moe_shapes, mxfp4_shape
 from kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort, token_outputs
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
@@ -167,7 +167,7 @@ def _packed(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
 def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
-                     dot_scaled: bool | None = None, reduce: bool = True, routing=None) -> torch.Tensor:
+                     dot_scaled: bool | None = None, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
     otherwise; True/False force one (tests). `routing`: x's routing worked out already (`kernels.moe.Routing`)."""

@@ -24,7 +24,8 @@ The MoE's norm rides in that launch too, up to NORM_ROUTE_MAX_TOKENS tokens (`no
 their rms as `kernels.triton_norm` does, normalises its hidden slice and routes from that, and the first expert
 block's programs store the normed rows and the new residual. A bs-1 decode step of the 20B shape lost its 24
 norm launches; with one split for the sliding-window layers' attention (`kernels.triton_attention.kv_splits`)
-it went from 3.21-3.24 to 2.93-2.96 ms on one H200, alternating runs (docs/benchmarks/ab_fewer_launches.md).
+it went from 3.21-3.24 to 2.92-2.96 ms on two of three H200s, alternating runs, and stayed within the third's
+spread; the device's own work fell by ~25 us (docs/benchmarks/ab_fewer_launches.md).
 
 Larger batches, or a sort too large for one program (E = 128 above 32 tokens at k = 4), take the router
 linear from cuBLAS (`F.linear`, the reference's), then `_route_kernel` (BLOCK_T tokens a program, no sort).
