@@ -4,6 +4,11 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
     python benchmarks/host_time.py --requests 32 --max-tokens 960                 # fixed K = 3, the shipped pair
     python benchmarks/host_time.py --requests 64 --max-tokens 48 --policy adaptive --k 7
     python benchmarks/host_time.py --stop-filter        # one request's stop-string filter alone, as outputs grow
+    python benchmarks/host_time.py --requests 8 --max-tokens 200 --policy adaptive --k 7 --device-busy
+
+--device-busy: the runner reports its device busy after every launch, as a GPU step does, so the policy's `learn`
+runs inside `execute` (off the host's critical path on a GPU) and is timed on its own (`learn_us_per_step`); a
+CPU never runs it otherwise, and `observe` learns instead.
 
 On the shipped tiny pair on a CPU the device step is slow, but the host work around it is the same Python as on
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
@@ -31,7 +36,8 @@ from peagle_core.engine.llm_engine import LLMEngine  # noqa: E402
 from peagle_core.engine.output import TextState  # noqa: E402
 
 
-def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int) -> dict:
+def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int, device_busy: bool = False
+            ) -> dict:
     spec = {"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": k, "parallel_drafting": True}
     if policy != "fixed":
         spec["depth_policy"] = policy
@@ -44,6 +50,9 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
     wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "policy"),
                (engine.policy, "observe", "policy"), (engine.scheduler, "schedule", "schedule"),
                (engine, "_append", "append"), (TextState, "update", "text")]
+    if device_busy:
+        engine.runner._device_busy = lambda: True  # `learn` runs inside execute, as on a GPU
+        wrapped.append((engine.policy, "learn", "learn"))
     originals = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in wrapped]
     for obj, name, part in wrapped:
         timed(obj, name, part, parts)
@@ -112,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--stop-filter", action="store_true", help="time the stop-string filter alone instead")
+    p.add_argument("--device-busy", action="store_true",
+                   help="let the policy's learn run inside execute, as while a GPU works (timed apart)")
     a = p.parse_args(argv)
     if a.stop_filter:
         print(json.dumps(stop_filter_pushes()))
         return 0
-    print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len)))
+    print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len, a.device_busy)))
     return 0
 
 

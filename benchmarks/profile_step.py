@@ -78,9 +78,10 @@ def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed:
 
 
 def graph_replay_ms(runner, batch, dev: torch.device) -> float | None:
-    """Median ms of the step's target graph replayed alone, back to back (CUDA events): the device's share of the
-    step, launch gaps inside the graph included. The step's wall time less this is the host's part (building and
-    uploading the inputs, sampling, the copy back) and the launches outside the graph."""
+    """Median ms of the step's target graph replayed alone, back to back (CUDA events): the layers and the final
+    norm, launch gaps inside the graph included. The step's wall time less this is what runs outside the graph:
+    the LM head and sampling on the device, and on the host building and uploading the inputs, the launches and
+    the copy back."""
     from peagle_core.engine.graphs import is_uniform_decode
     target = getattr(runner.graphs, "target", None)
     if target is None or dev.type != "cuda":

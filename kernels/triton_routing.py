@@ -162,9 +162,8 @@ def _row_rstd(h_rows, res_rows, pair_ok, hidden, eps, PAIRS: tl.constexpr, BLOCK
 
 @triton.jit
 def _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, slice_len, stride_xt, stride_we,
-                    LOGIT_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                    NORM: tl.constexpr = False, res_ptr=None, norm_w_ptr=None, normed_ptr=None, res_out_ptr=None,
-                    eps=0.0, stride_rt=0, stride_ot=0):
+                    LOGIT_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                    res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps, stride_rt, stride_ot):
     """partial[s, t, e] = sum of x[t, h] * w[e, h] over the hidden slice s = program_id(1), in fp32, for every
     token t and the BLOCK_E experts e of program_id(0).
 

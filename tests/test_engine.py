@@ -220,3 +220,6 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     from peagle_core.engine.output import TextState
 
     assert not hasattr(TextState.update, "__wrapped__")  # the class's method is unwrapped again
+    assert "learn_us_per_step" not in r  # a CPU runner is never busy: the policy learns inside observe
+    busy = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256, device_busy=True)
+    assert busy["learn_us_per_step"] > 0  # --device-busy: learn ran inside execute, as while a GPU works

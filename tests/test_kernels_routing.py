@@ -343,8 +343,9 @@ def test_norm_rides_in_the_routing_launch(triton_interpret, monkeypatch, dtype, 
 
 
 def test_norm_and_route_outside_the_fused_sizes(triton_interpret):
-    """More tokens than NORM_ROUTE_MAX_TOKENS, MoE summands or no residual: the norm launches on its own, with the
-    same results as the unfused pair; on the references (autograd recording) the norm and route references."""
+    """More tokens than NORM_ROUTE_MAX_TOKENS, MoE summands or no residual: the norm runs on its own, and the
+    outputs are the references' (fp32: the residual exactly, the normed rows to 1e-5, a valid routing of them);
+    on the references themselves when autograd records."""
     routing = triton_interpret.routing
     g = torch.Generator().manual_seed(0)
     T, H, E, k = routing.NORM_ROUTE_MAX_TOKENS + 1, 64, 32, 4
@@ -354,9 +355,10 @@ def test_norm_and_route_outside_the_fused_sizes(triton_interpret):
                         (torch.randn(3, H, generator=g), None)):
         assert not routing.fuses_norm(h, residual, E, k)
         x, new_residual, routed = norm_and_route(h, residual, norm_w, 1e-5, w, b, k)
-        want = unfused_norm_and_route(triton_interpret, h, residual, norm_w, w, b, k)
-        assert torch.equal(x, want[0]) and torch.equal(new_residual, want[1])
-        assert torch.equal(routed.gates, want[2]) and torch.equal(routed.experts, want[3])
+        ref_x, ref_residual = add_rms_norm_ref(h, residual, norm_w, 1e-5)
+        assert torch.equal(new_residual, ref_residual)
+        torch.testing.assert_close(x, ref_x, rtol=1e-5, atol=1e-6)
+        assert_valid_routing(routed.gates, routed.experts, x, w, b, k, **FP32_OWN)
     w.requires_grad_(True)
     x, new_residual, routed = norm_and_route(h, residual, norm_w, 1e-5, w, b, k)
     assert routed.gates.grad_fn is not None and routed.sorted_pairs is None
