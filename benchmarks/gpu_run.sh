@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh ab        # one H200: decode-step profiles of this tree against an earlier commit's
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
+#   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
 #   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz)
@@ -128,6 +129,9 @@ case "${1:-}" in
   gpu-tests)  # one H200: every GPU test, with their durations
     timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=30 $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 40
+    ;;
+  skinny)  # one H200: the attention projections at decode sizes, cuBLAS against the skinny Triton GEMM's launch shapes
+    timeout "${SKINNY_TIMEOUT:-150}" python3 benchmarks/skinny_linear.py --out "$OUT" 2>&1 | tail -n 12
     ;;
   moe-tiles)  # one H200: MoE launch shapes at decode sizes (docs/benchmarks/moe_tiles.*)
     timeout 300 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3

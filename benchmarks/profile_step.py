@@ -68,13 +68,46 @@ def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed:
         batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
         wall, table = profile_calls(lambda: runner.execute(batch), dev, steps)
         replay_ms = graph_replay_ms(runner, batch, dev) if graphs else None
+        host = host_phases(runner, batch) if graphs and dev.type == "cuda" else None
     del runner
     release_caches(target)
     nbytes = decode_step_bytes(target, layout.context, 1, tokens_per_req=1 + k).total
     step = "decode" if k == 0 else f"verify k={k}"
     step += ", PDL" if pdl_used else ", PDL asked, unavailable" if pdl else ""
     return {"step": step, "k": k, "graphs": graphs, "pdl": pdl_used, "wall_ms": wall, "graph_replay_ms": replay_ms,
-            "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3, "bytes": nbytes, "kernels": table}
+            "host_us": host, "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3, "bytes": nbytes, "kernels": table}
+
+
+def host_phases(runner, batch, steps: int = 30) -> dict[str, float] | None:
+    """Median host microseconds of a graphed step's phases, each step starting on an idle device (as the bench
+    times them): `before_replay` (building and uploading the inputs, loading the graph's buffers: the device is
+    idle all that time), `replay` (the graph launch itself), `after_replay` (the LM head's and sampling's
+    launches, then waiting for the device and the copy back)."""
+    import statistics
+    import time
+    target = getattr(runner.graphs, "target", None)
+    if target is None or not target.graphs:
+        return None
+    marks: list[float] = []
+    for graph in target.graphs.values():
+        real = graph.replay
+        graph.replay = lambda real=real: (marks.append(time.perf_counter()), real(), marks.append(time.perf_counter()))
+    phases = {"before_replay": [], "replay": [], "after_replay": []}
+    with torch.inference_mode():
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            marks.clear()
+            t0 = time.perf_counter()
+            runner.execute(batch)
+            t3 = time.perf_counter()
+            if len(marks) != 2:
+                return None  # the step did not replay exactly one target graph
+            phases["before_replay"].append(marks[0] - t0)
+            phases["replay"].append(marks[1] - marks[0])
+            phases["after_replay"].append(t3 - marks[1])
+    for graph in target.graphs.values():
+        del graph.replay
+    return {k: statistics.median(v) * 1e6 for k, v in phases.items()}
 
 
 def graph_replay_ms(runner, batch, dev: torch.device) -> float | None:
@@ -111,11 +144,15 @@ def profile_draft(target, drafter, layout: Layout, K: int, graphs: bool, steps: 
 def render(res: dict) -> str:
     out = [f"# Step profile ({res['shape']} shape, bs 1, context {res['context']})", "",
            f"Machine: {res['gpu']}; torch {res['torch']}; {res['date']}.", "", f"Command: `{res['command']}`", "",
-           "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms |", "| --- | --- | --- | --- | --- | --- |"]
+           "Host us: a graphed step's host time before the graph's launch (the device idle), the launch, and after it "
+           "(launching the LM head and sampling, then waiting for the device and the copy back); `host_phases`.", "",
+           "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms | host us before / replay / after |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in res["cases"]:
         bound = f"{c['bytes'] / res['bandwidth_tb_s'] / 1e9:.3f}" if c.get("bytes") else "-"
+        host = " / ".join(f"{v:.0f}" for v in c["host_us"].values()) if c.get("host_us") else "-"
         out.append(f"| {c['step']} | {'yes' if c['graphs'] else 'no'} | "
-                   f"{c['wall_ms']:.3f} | {c['kernel_ms']:.3f} | {c['wall_ms'] - c['kernel_ms']:.3f} | {bound} |")
+                   f"{c['wall_ms']:.3f} | {c['kernel_ms']:.3f} | {c['wall_ms'] - c['kernel_ms']:.3f} | {bound} | {host} |")
     for c in res["cases"]:
         out += ["", f"## {c['step']}, {'CUDA graphs' if c['graphs'] else 'eager'}: kernels", "",
                 "| kernel | calls / step | us / step | share |", "| --- | --- | --- | --- |"]
@@ -174,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             res["cases"].append(c)
             replay = f", graph alone {c['graph_replay_ms']:.3f} ms" if c.get("graph_replay_ms") else ""
+            if c.get("host_us"):
+                replay += ", host us " + "/".join(f"{v:.0f}" for v in c["host_us"].values())
             print(f"{c['step']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms{replay}, kernels {c['kernel_ms']:.3f} ms; "
                   f"top: " + ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us" for r in c["kernels"][:4]),
                   flush=True)

@@ -206,9 +206,11 @@ def test_rope_write_kv_rejects_bad_slot_mapping(triton_interpret):
 
 
 def test_paged_attention_layer_with_fused_rope_write_matches_the_references(triton_interpret):
-    """The wiring in `Attention.forward`'s paged path: kernels on (interpreted) and off give the same caches, bit
-    for bit, and the same output. Two requests (a prefill from 0, a continuation over cached keys) and a padding
-    token (slot -1)."""
+    """The wiring in `Attention.forward`'s paged path: kernels on (interpreted) and off give the same caches and
+    the same output. Two requests (a prefill from 0, a continuation over cached keys) and a padding token (slot
+    -1). The caches agree to fp32 rounding, not bit for bit: with kernels on, the q/k/v projection of these 9
+    tokens is the skinny Triton GEMM (`kernels.linear`), which sums in another order than `F.linear`; slots
+    no token writes stay bit-identical."""
     torch.manual_seed(0)
     hq, hkv, d, page = 4, 2, 16, 16
     rotary = Rotary([1.0 / 10000 ** (2 * j / d) for j in range(d // 2)])
@@ -231,8 +233,13 @@ def test_paged_attention_layer_with_fused_rope_write_matches_the_references(trit
                 outs[kernels_on] = (attn(x, meta), *attn.kv_cache)
     set_triton_enabled(True)  # the fixture restores the previous setting
     torch.testing.assert_close(outs[True][0], outs[False][0], **TOL)
-    assert torch.equal(outs[True][1], outs[False][1]) and torch.equal(outs[True][2], outs[False][2])
-    assert not torch.equal(outs[True][1], cache[0])  # the layer did write
+    written = torch.zeros(5 * page, dtype=torch.bool)
+    written[slots[slots >= 0]] = True
+    for on, off, before in zip(outs[True][1:], outs[False][1:], cache):
+        on, off, before = (t.flatten(0, 1) for t in (on, off, before))
+        torch.testing.assert_close(on[written], off[written], atol=1e-6, rtol=1e-6)
+        assert torch.equal(on[~written], before[~written]) and torch.equal(off[~written], before[~written])
+        assert not torch.equal(on[written], before[written])  # the layer did write
 
 
 @pytest.mark.gpu

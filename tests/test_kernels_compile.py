@@ -30,6 +30,7 @@ from kernel_utils import _load_kernels, _triton_interpreted, is_triton_jit
 from kernels.attention import paged_attention
 from kernels.dispatch import set_triton_enabled, triton_enabled
 from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
+from kernels.linear import linear
 from kernels.moe import moe, moe_mxfp4, norm_and_route, route
 from kernels.norm import add_rms_norm
 from kernels.rope import apply_rope, rope_write_kv
@@ -134,6 +135,14 @@ def norm() -> None:
     add_rms_norm(x, None, w, 1e-5)                   # the first layer's norm: no residual
     add_rms_norm(x, residual, w, 1e-5)
     add_rms_norm(randn(3, 4, H), residual, w, 1e-5)  # the MoE's top-4 summands
+
+
+def projections() -> None:
+    """The attention projections at decode sizes (`kernels.linear`): GPT-OSS's q/k/v (K = 2880, not a multiple of
+    BLOCK_K) and o (K = 4096) with biases, the drafter's without. N does not set the launch parameters beyond
+    its divisibility (kept small here: the interpreter loops over the programs)."""
+    for M, K, bias in ((1, 2880, True), (16, 2880, True), (1, 4096, True), (8, 4096, False)):
+        linear(randn(M, K), randn(64, K), randn(64) if bias else None)
 
 
 def rope() -> None:
@@ -242,7 +251,7 @@ def draft_inputs() -> None:
     fill_hidden(randn(12, 2880), hidden_map, is_masked, randn(2880))
 
 
-SCENARIOS = {f.__name__: f for f in (norm, rope, attention, moe_bf16, moe_packed, routing, sampling, draft_inputs)}
+SCENARIOS = {f.__name__: f for f in (norm, projections, rope, attention, moe_bf16, moe_packed, routing, sampling, draft_inputs)}
 
 
 # ---------------------------------------------------------------------------------------------

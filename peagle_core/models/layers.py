@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels.attention import paged_attention, varlen_attention
+from kernels.linear import linear
 from kernels.norm import add_rms_norm
 from kernels.rope import apply_rope, rope_write_kv
 
@@ -169,7 +170,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         T = x.shape[0]
         if self.qkv is not None:
-            q, k, v = torch.nn.functional.linear(x, *self.qkv).split(self.qkv_sizes, -1)
+            q, k, v = linear(x, *self.qkv).split(self.qkv_sizes, -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -182,7 +183,7 @@ class Attention(nn.Module):
             q, k = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 meta.positions, self.sinks, self.sliding_window, self.scale)
-            return self.o_proj(o.reshape(T, -1))
+            return linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias)
         q, k = self.rotary(q, k, meta.positions)
         if meta.attn_mask is not None:
             if meta.kv_prefix is not None:
