@@ -28,6 +28,18 @@ SHAPES = [("qkv", 4096 + 2 * 512, 2880), ("o_proj", 2880, 4096), ("gate/up", 143
 L2_FLUSH_BYTES = 200 << 20  # well past the H200's 50 MB L2
 
 
+def cold_weights(n: int, k: int, scale: float = 1.0) -> list[torch.Tensor]:
+    """Enough bf16 [n, k] weight copies that cycling through them reads none from L2."""
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * scale for _ in range(copies)]
+
+
+def time_cold(call, weights: list[torch.Tensor]) -> float:
+    """Microseconds of `call(w)` back to back in a CUDA graph, cycling through `weights` (`cold_weights`)."""
+    it = iter(range(1 << 62))
+    return time_graph(lambda: call(weights[next(it) % len(weights)]), reps=2 * len(weights))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-m", type=int, default=16)
@@ -36,12 +48,10 @@ def main() -> None:
     rows = []
     for name, n, k in SHAPES:
         nbytes = n * k * 2
-        copies = max(1, math.ceil(L2_FLUSH_BYTES / nbytes))
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        weights = cold_weights(n, k)
         for m in range(1, a.max_m + 1):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            it = iter(range(1 << 62))
-            us = time_graph(lambda: torch.nn.functional.linear(x, weights[next(it) % copies]), reps=2 * copies)
+            us = time_cold(lambda w: torch.nn.functional.linear(x, w), weights)
             rows.append({"shape": name, "N": n, "K": k, "M": m, "us": us, "tb_s": nbytes / (us * 1e-6) / 1e12})
             print(rows[-1], flush=True)
         del weights

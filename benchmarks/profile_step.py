@@ -93,20 +93,22 @@ def host_phases(runner, batch, steps: int = 30) -> dict[str, float] | None:
         real = graph.replay
         graph.replay = lambda real=real: (marks.append(time.perf_counter()), real(), marks.append(time.perf_counter()))
     phases = {"before_replay": [], "replay": [], "after_replay": []}
-    with torch.inference_mode():
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            marks.clear()
-            t0 = time.perf_counter()
-            runner.execute(batch)
-            t3 = time.perf_counter()
-            if len(marks) != 2:
-                return None  # the step did not replay exactly one target graph
-            phases["before_replay"].append(marks[0] - t0)
-            phases["replay"].append(marks[1] - marks[0])
-            phases["after_replay"].append(t3 - marks[1])
-    for graph in target.graphs.values():
-        del graph.replay
+    try:
+        with torch.inference_mode():
+            for _ in range(steps):
+                torch.cuda.synchronize()
+                marks.clear()
+                t0 = time.perf_counter()
+                runner.execute(batch)
+                t3 = time.perf_counter()
+                if len(marks) != 2:
+                    return None  # the step did not replay exactly one target graph
+                phases["before_replay"].append(marks[0] - t0)
+                phases["replay"].append(marks[1] - marks[0])
+                phases["after_replay"].append(t3 - marks[1])
+    finally:
+        for graph in target.graphs.values():
+            del graph.replay
     return {k: statistics.median(v) * 1e6 for k, v in phases.items()}
 
 

@@ -4,7 +4,7 @@
 
 For GPT-OSS-20B's q/k/v (N 5120, K 2880) and o (N 2880, K 4096) projections, with biases, and the tiny
 target's, at M = 1, 8, 16 rows: cuBLAS, then `linear_triton` with each launch shape of TILES (the shipped
-`linear_tiles` choice marked). Calls captured in a CUDA graph back to back, as a decode graph runs them,
+`SHIPPED_TILES` marked). Calls captured in a CUDA graph back to back, as a decode graph runs them,
 cycling through enough weight copies that none is read from L2; best of five replays (`moe_tiles.time_graph`).
 Writes skinny_linear.json and skinny_linear.md (microseconds, read bandwidth, the best shape per row).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from datetime import date
 from pathlib import Path
@@ -21,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.moe_tiles import time_graph  # noqa: E402
+from benchmarks.gemm_m import cold_weights, time_cold  # noqa: E402
 from kernels.linear import takes_skinny  # noqa: E402
-from kernels.triton_linear import LinearTiles, linear_tiles, linear_triton  # noqa: E402
+from kernels.triton_linear import SHIPPED_TILES, LinearTiles, linear_triton  # noqa: E402
 
 # GPT-OSS-20B/120B attention (hidden 2880, 64 q heads and 8 kv heads of 64), the same at TP = 2, the tiny target's
 SHAPES = [("20b qkv", 5120, 2880), ("20b o", 2880, 4096), ("tp2 qkv", 2560, 2880), ("tp2 o", 2880, 2048),
@@ -32,7 +31,6 @@ SHAPES = [("20b qkv", 5120, 2880), ("20b o", 2880, 4096), ("tp2 qkv", 2560, 2880
 TILES = [LinearTiles(*t) for t in ((16, 256, 2, 4), (16, 256, 1, 4), (16, 256, 2, 3), (16, 256, 2, 6),
                                    (16, 512, 2, 3), (16, 512, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
                                    (16, 128, 2, 8), (32, 256, 2, 4), (32, 512, 4, 3), (16, 256, 4, 4))]
-L2_FLUSH_BYTES = 200 << 20  # well past the H200's 50 MB L2
 
 
 def main() -> None:
@@ -43,21 +41,17 @@ def main() -> None:
     rows = []
     for name, n, k in SHAPES:
         nbytes = n * k * 2
-        copies = max(1, math.ceil(L2_FLUSH_BYTES / nbytes))
-        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(copies)]
+        weights = cold_weights(n, k, k ** -0.5)
         bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         for m in map(int, a.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            it = iter(range(1 << 62))
-            cublas = time_graph(lambda: F.linear(x, weights[next(it) % copies], bias), reps=2 * copies)
+            cublas = time_cold(lambda w: F.linear(x, w, bias), weights)
             row = {"shape": name, "N": n, "K": k, "M": m, "cublas_us": cublas, "triton_us": {},
                    "engine_takes": "triton" if takes_skinny(n, k) else "cublas"}
             for t in TILES:
-                it = iter(range(1 << 62))
-                us = time_graph(lambda: linear_triton(x, weights[next(it) % copies], bias, t), reps=2 * copies)
-                row["triton_us"][_name(t)] = us
+                row["triton_us"][_name(t)] = time_cold(lambda w: linear_triton(x, w, bias, t), weights)
             best = min(row["triton_us"], key=row["triton_us"].get)
-            row |= {"best": best, "best_us": row["triton_us"][best], "shipped": _name(linear_tiles(n, k)),
+            row |= {"best": best, "best_us": row["triton_us"][best], "shipped": _name(SHIPPED_TILES),
                     "weight_bytes": nbytes}
             rows.append(row)
             print(f"{name} M={m}: cuBLAS {cublas:.2f} us, shipped {row['triton_us'][row['shipped']]:.2f} us, "

@@ -2,7 +2,7 @@
 
 One 16-row M-tile covers every row, so each program streams its BLOCK_N rows of W from memory exactly once
 over the whole K (no split-K, no second reduce kernel) while x's rows stay in L1/L2. N is cut small so that
-enough programs share the weight's read (GPT-OSS-20B: 180 for the o projection, 320 for q/k/v). The bias is
+enough programs share the weight's read (GPT-OSS-20B's o projection: 180). The bias is
 added in fp32 before the one rounding, as cuBLAS's epilogue does, so the result differs from `F.linear` only
 by the order of the fp32 sums.
 """
@@ -59,11 +59,10 @@ class LinearTiles:
     num_stages: int
 
 
-def linear_tiles(n: int, k: int) -> LinearTiles:
-    """16 output columns a program (the most programs per weight byte; 512-byte runs of each row per K step) and
-    two warps: fastest of the H200 sweep's shapes at every shape and M (`benchmarks/skinny_linear.py`; 20B o
-    9.8 us against 13.0 with four warps)."""
-    return LinearTiles(16, 256, 2, 4)
+# 16 output columns a program (the most programs per weight byte; 512-byte runs of each row per K step) and two
+# warps: fastest of the H200 sweep's launch shapes at every shape and M (`benchmarks/skinny_linear.py`; 20B o
+# 9.8 us against 13.0 with four warps).
+SHIPPED_TILES = LinearTiles(16, 256, 2, 4)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -81,7 +80,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M == 0 or N == 0:
         return y
-    t = tiles or linear_tiles(N, K)
+    t = tiles or SHIPPED_TILES
     _skinny_linear_kernel[(triton.cdiv(N, t.block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=K % t.block_k == 0,
@@ -90,4 +89,4 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-__all__ = ["linear_triton", "linear_tiles", "LinearTiles"]
+__all__ = ["linear_triton", "SHIPPED_TILES", "LinearTiles"]
