@@ -82,7 +82,9 @@ def host_phases(runner, batch, steps: int = 30) -> dict[str, float] | None:
     """Median host microseconds of a graphed step's phases, each step starting on an idle device (as the bench
     times them): `before_replay` (building and uploading the inputs, loading the graph's buffers: the device is
     idle all that time), `replay` (the graph launch itself), `after_replay` (the LM head's and sampling's
-    launches, then waiting for the device and the copy back)."""
+    launches, then waiting for the device and the copy back). `before_replay` is broken down further:
+    `inputs` (`ModelRunner._inputs`), of which `upload` (the copy to the device), and `load` (the graph's
+    buffers filled from them); whatever of these the runner lacks (an older tree's) is left out."""
     import statistics
     import time
     target = getattr(runner.graphs, "target", None)
@@ -92,12 +94,27 @@ def host_phases(runner, batch, steps: int = 30) -> dict[str, float] | None:
     for graph in target.graphs.values():
         real = graph.replay
         graph.replay = lambda real=real: (marks.append(time.perf_counter()), real(), marks.append(time.perf_counter()))
-    phases = {"before_replay": [], "replay": [], "after_replay": []}
+    spans: dict[str, float] = {}
+    wrapped = []
+    for label, obj, name in (("inputs", runner, "_inputs"), ("upload", getattr(runner, "uploads", None), "upload"),
+                             ("upload", runner, "_upload"), ("load", target, "_load")):
+        if obj is None or not hasattr(obj, name):
+            continue
+        def timer(*a, real=getattr(obj, name), label=label, **kw):
+            t = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                spans[label] = spans.get(label, 0.0) + time.perf_counter() - t
+        setattr(obj, name, timer)
+        wrapped.append((obj, name))
+    phases: dict[str, list[float]] = {"before_replay": [], "replay": [], "after_replay": []}
     try:
         with torch.inference_mode():
             for _ in range(steps):
                 torch.cuda.synchronize()
                 marks.clear()
+                spans.clear()
                 t0 = time.perf_counter()
                 runner.execute(batch)
                 t3 = time.perf_counter()
@@ -106,9 +123,13 @@ def host_phases(runner, batch, steps: int = 30) -> dict[str, float] | None:
                 phases["before_replay"].append(marks[0] - t0)
                 phases["replay"].append(marks[1] - marks[0])
                 phases["after_replay"].append(t3 - marks[1])
+                for label, v in spans.items():
+                    phases.setdefault(label, []).append(v)
     finally:
         for graph in target.graphs.values():
             del graph.replay
+        for obj, name in wrapped:
+            delattr(obj, name)  # back to the class's method
     return {k: statistics.median(v) * 1e6 for k, v in phases.items()}
 
 
@@ -147,12 +168,16 @@ def render(res: dict) -> str:
     out = [f"# Step profile ({res['shape']} shape, bs 1, context {res['context']})", "",
            f"Machine: {res['gpu']}; torch {res['torch']}; {res['date']}.", "", f"Command: `{res['command']}`", "",
            "Host us: a graphed step's host time before the graph's launch (the device idle), the launch, and after it "
-           "(launching the LM head and sampling, then waiting for the device and the copy back); `host_phases`.", "",
-           "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms | host us before / replay / after |",
+           "(launching the LM head and sampling, then waiting for the device and the copy back), then parts of the "
+           "first: building the inputs (of which uploading them) and loading the graph's buffers; `host_phases`.", "",
+           "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms | host us before / replay / after; inputs (upload), load |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in res["cases"]:
         bound = f"{c['bytes'] / res['bandwidth_tb_s'] / 1e9:.3f}" if c.get("bytes") else "-"
-        host = " / ".join(f"{v:.0f}" for v in c["host_us"].values()) if c.get("host_us") else "-"
+        h = c.get("host_us") or {}
+        host = " / ".join(f"{h[p]:.0f}" for p in ("before_replay", "replay", "after_replay") if p in h) or "-"
+        if "inputs" in h:
+            host += f"; {h['inputs']:.0f} ({h.get('upload', 0):.0f}), {h.get('load', 0):.0f}"
         out.append(f"| {c['step']} | {'yes' if c['graphs'] else 'no'} | "
                    f"{c['wall_ms']:.3f} | {c['kernel_ms']:.3f} | {c['wall_ms'] - c['kernel_ms']:.3f} | {bound} | {host} |")
     for c in res["cases"]:
@@ -214,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
             res["cases"].append(c)
             replay = f", graph alone {c['graph_replay_ms']:.3f} ms" if c.get("graph_replay_ms") else ""
             if c.get("host_us"):
-                replay += ", host us " + "/".join(f"{v:.0f}" for v in c["host_us"].values())
+                replay += ", host us " + " ".join(f"{p} {v:.0f}" for p, v in c["host_us"].items())
             print(f"{c['step']} graphs={c['graphs']}: wall {c['wall_ms']:.3f} ms{replay}, kernels {c['kernel_ms']:.3f} ms; "
                   f"top: " + ", ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us" for r in c["kernels"][:4]),
                   flush=True)

@@ -177,13 +177,18 @@ class GraphSet:
     def _load(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta,
               num_seqs: int, num_tokens: int) -> None:
         B, T = meta.seq_lens.shape[0], input_ids.shape[0]
-        self.input_ids[:T].copy_(input_ids)
-        self.positions[:T].copy_(meta.positions)
-        self.slot_mapping[:T].copy_(meta.slot_mapping)
-        self.query_start_loc[:B + 1].copy_(meta.query_start_loc)
-        self.seq_lens[:B].copy_(meta.seq_lens)
+        dst = [self.input_ids[:T], self.positions[:T], self.slot_mapping[:T], self.query_start_loc[:B + 1],
+               self.seq_lens[:B]]
+        src = [input_ids, meta.positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens]
         # Columns past this batch's width keep stale block ids: a request never reads past its own blocks.
-        self.block_tables[:B, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        tables = self.block_tables[:B, :meta.block_tables.shape[1]]
+        if tables.is_contiguous():  # one request, or the full width: a flat copy like the others
+            dst.append(tables.view(-1))
+            src.append(meta.block_tables.reshape(-1))
+        else:
+            tables.copy_(meta.block_tables)
+        # one multi-tensor launch for the flat copies: the device idles while the host issues launches
+        torch._foreach_copy_(dst, src)
         if hidden is not None:
             self.hidden[:T].copy_(hidden)  # padded rows keep stale (finite) values; rows never mix
         self._pad(B, T, num_seqs, num_tokens)

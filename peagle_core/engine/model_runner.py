@@ -10,9 +10,7 @@ The step reads like the method (DESIGN.md, "One engine step"):
 """
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
-from itertools import chain, repeat
 from typing import Callable
 
 import torch
@@ -22,12 +20,10 @@ from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from kernels.sampling import rejection_sample
 from peagle_core.engine.graphs import GraphRunner, is_uniform_decode
 from peagle_core.engine.scheduler import Scheduled
+from peagle_core.engine.uploads import Uploader
 from peagle_core.models.drafter import Drafter
 from peagle_core.models.gpt_oss import GptOss
 from peagle_core.models.layers import ForwardMeta, pack_qkv
-
-_ARRAY_CODES = {torch.long: "q", torch.float32: "f"}
-
 
 def host_slots(block_table: list[int], start: int, end: int, block_size: int, max_model_len: int) -> list[int]:
     """`ModelRunner.slots` on the host for positions start..end-1 of one request: one contiguous run per
@@ -93,6 +89,7 @@ class ModelRunner:
                 self.mask_token_id = drafter.config.mask_token_id
         self.global_generator = torch.Generator(device=device).manual_seed(0)
         self.graphs: GraphRunner | None = None  # CUDA graphs (the engine sets them)
+        self.uploads = Uploader(device)
 
     def _bind_cache(self, model, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
         layers = model.attention_layers()
@@ -146,9 +143,9 @@ class ModelRunner:
         return self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query()
 
     def _inputs(self, batch: list[Scheduled]) -> StepInputs:
-        """The step's metadata, built on the host and uploaded in one asynchronous copy (two with sampling
-        parameters). Nothing after the first launch waits for the host: a pageable host-to-device copy
-        would wait for the stream, so each one placed after the target forward used to stall the step."""
+        """The step's metadata, built on the host and uploaded in one asynchronous copy (`Uploader`). Nothing
+        after the first launch waits for the host: a pageable host-to-device copy would wait for the stream, so
+        each one placed after the target forward used to stall the step."""
         ids, pos, qsl, seq, num_drafts, next_ids = [], [], [0], [], [], []
         rows, draft_ids, cu, sampling = [], [], [0], []
         for i, s in enumerate(batch):
@@ -175,29 +172,14 @@ class ModelRunner:
                                 self.max_model_len)
         params = [batch[i].req.params for i in sampling]
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
+        ints, floats = self.uploads.upload([ids, pos, qsl, seq, tables, slots, num_drafts, next_ids, rows, draft_ids,
+                                            cu, sampling, [p.top_k for p in params]],
+                                           [[p.temperature for p in params], [p.top_p for p in params]])
         (input_ids, positions, qsl_t, seq_lens, tables_t, slot_mapping, num_drafts_t, next_ids_t, rows_t, draft_ids_t,
-         cu_t, sampling_t, top_k) = self._upload([ids, pos, qsl, seq, tables, slots, num_drafts, next_ids, rows,
-                                                 draft_ids, cu, sampling, [p.top_k for p in params]], torch.long)
-        temperature, top_p = self._upload([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
+         cu_t, sampling_t, top_k), (temperature, top_p) = ints, floats
         return StepInputs(input_ids, positions, qsl_t, seq_lens, tables_t.view(len(batch), width), slot_mapping,
                           num_drafts_t, next_ids_t, rows_t, draft_ids_t, cu_t, sampling_t, top_k, temperature, top_p,
                           sampling_host=sampling, cu_host=cu, filtered=filtered, all_rows=len(rows) == len(ids))
-
-    def _upload(self, parts: list[list], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Host lists to the device as views of one buffer: one copy, from pinned memory on CUDA (asynchronous;
-        the caching host allocator keeps the buffer until the copy is done). Every view starts 16 bytes
-        aligned: Triton specialises a kernel on whether each pointer is, and views at offsets set by the step's
-        sizes made the eager kernels compile new variants in live steps (docs/adaptive.md)."""
-        per = 16 // dtype.itemsize
-        pads = [-len(part) % per for part in parts]
-        values = array.array(_ARRAY_CODES[dtype], chain.from_iterable(
-            chain(part, repeat(0, pad)) for part, pad in zip(parts, pads)))  # ~2x faster than torch.tensor(list)
-        flat = torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
-        else:
-            flat = flat.to(self.device)
-        return list(flat.split([n for part, pad in zip(parts, pads) for n in (len(part), pad)])[::2])
 
     def _verify(self, batch: list[Scheduled], hidden: torch.Tensor, inp: StepInputs):
         """Rejection-sample the requests that reach their end; others continue with their next prompt token."""
@@ -324,7 +306,8 @@ class ModelRunner:
         """The step's one device-to-host copy: emitted tokens, accepted counts and drafts side by side."""
         K1 = tokens.shape[1]
         parts = [tokens, num_accepted[:, None]] + ([drafts] if drafts is not None else [])
-        rows = torch.cat(parts, dim=1).tolist()
+        rows = torch.cat(parts, dim=1).tolist()  # waits for the device: every upload so far has been read
+        self.uploads.device_idle()
         out_tokens = [r[:r[K1] + 1] if s.samples else [] for s, r in zip(batch, rows)]
         drafts = [r[K1 + 1:] for r in rows]
         return StepResult(out_tokens, [r[K1] for r in rows], drafts)
