@@ -53,13 +53,14 @@ def test_upload_reuses_pinned_buffers_safely_gpu():
     first's host buffer, which it may only once the first's copy has run: had it not waited, that copy, queued
     behind the stream's sleep, would have carried the third's values to the kernels reading the first's views."""
     rng = random.Random(0)
-    up = Uploader(torch.device("cuda"), capacity=256)
+    up = Uploader(torch.device("cuda"), capacity=4096)  # fits the first uploads: no growth (a wait) among them
     torch.cuda._sleep(50_000_000)  # keep the stream busy: the copies queue behind it
     first = random_parts(rng, 6, False), random_parts(rng, 2, True)
     a = up.upload(*first)
     second = random_parts(rng, 6, False), random_parts(rng, 2, True)
     b = up.upload(*second)
     assert [t.tolist() for t in a[0]] == first[0] and [t.tolist() for t in b[0]] == second[0]
+    up.device_idle()  # (tolist waited), as the runner says after each step
     torch.cuda._sleep(50_000_000)
     a = up.upload(*first)
     read_a = [t.clone() for t in a[0]]  # queued behind a's copy, as a step's kernels are
@@ -72,7 +73,7 @@ def test_upload_reuses_pinned_buffers_safely_gpu():
     host, source, _ = up._buffers[0]
     assert source is not host, "64-bit CUDA maps pinned memory (unified addressing): the one-call copy applies"
     for _ in range(3):
-        ints = [[rng.randrange(2**40) for _ in range(rng.randrange(1, 300))] for _ in range(5)]
+        ints = [[rng.randrange(2**40) for _ in range(rng.randrange(200, 1000))] for _ in range(5)]
         check(up, ints, random_parts(rng, 2, True))
-    assert up.capacity > 256
+    assert up.capacity > 4096
     assert all(t.data_ptr() % 16 == 0 for t in up.upload([[1], [2, 3]], [[0.5]])[0])

@@ -85,7 +85,8 @@ class Uploader:
             for _ in range(2):
                 host = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
                 dev = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
-                self._buffers.append((host, mapped_view(host, dev) or host, dev))
+                view = mapped_view(host, dev)
+                self._buffers.append((host, host if view is None else view, dev))
         self._turn ^= 1
         if self._pending[self._turn]:
             torch.cuda.synchronize(self.device)
