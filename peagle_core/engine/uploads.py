@@ -4,10 +4,9 @@ Before a step's first launch the device is idle, so every microsecond the host s
 (on an H200 the host's share of a 20B-shape decode step was 230-410 us, docs/benchmarks/ab_skinny_linear.md,
 and on the lent machine's virtual machine each CUDA call costs the host 10-20 us: docs/benchmarks/ab_uploads.md).
 So the integers and the float sampling parameters share one buffer, written with one memmove into pinned
-memory kept from step to step, and reach the device in one call:
-- where the device addresses pinned host memory directly (unified addressing, every 64-bit CUDA platform),
-  a device-to-device copy out of the pinned buffer's device view: one driver call;
-- elsewhere a host-to-device copy, for which PyTorch makes three (the pointer's kind, the copy, an event).
+memory kept from step to step, and reach the device in one asynchronous copy. (A device-to-device copy out of
+the pinned buffer's device view, under unified addressing one CUDA call where PyTorch's host-to-device copy
+makes more, was measured too: no faster, ab_uploads.md, so not kept.)
 
 Two buffers alternate. The host refills one only once the copy that last read it has run: the runner says
 when the device is idle (`device_idle`, after each step's device-to-host copy), and an upload into a buffer
@@ -48,7 +47,7 @@ class Uploader:
     def __init__(self, device: torch.device, capacity: int = 1 << 16):
         self.device = device
         self.capacity = capacity  # bytes per buffer; doubled when a step needs more
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._pending = [False, False]  # buffer i's last copy may not have run yet
         self._turn = 0
 
@@ -65,28 +64,22 @@ class Uploader:
                     _views(torch.frombuffer(singles, dtype=torch.float32).to(self.device) if singles else
                            torch.empty(0, dtype=torch.float32, device=self.device), single_sizes))
         n_long, n_single = len(longs) * 8, len(singles) * 4
-        host, source, dev = self._buffer(n_long + n_single)
+        host, dev = self._buffer(n_long + n_single)
         ctypes.memmove(host.data_ptr(), longs.buffer_info()[0], n_long)
         ctypes.memmove(host.data_ptr() + n_long, singles.buffer_info()[0], n_single)
-        dev[:n_long + n_single].copy_(source[:n_long + n_single], non_blocking=True)
+        dev[:n_long + n_single].copy_(host[:n_long + n_single], non_blocking=True)
         return (_views(dev[:n_long].view(torch.long), long_sizes),
                 _views(dev[n_long:n_long + n_single].view(torch.float32), single_sizes))
 
-    def _buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The next (pinned host buffer, what the copy reads: its device view or itself, device buffer) in turn,
-        free to refill, (re)allocated while smaller than `nbytes`."""
+    def _buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (pinned host buffer, device buffer) in turn, free to refill, (re)allocated while smaller
+        than `nbytes`."""
         while self.capacity < nbytes:
             self.capacity *= 2
         if not self._buffers or self._buffers[0][0].numel() < self.capacity:
-            if self._buffers:  # copies out of a device view are invisible to the caching host allocator, which
-                torch.cuda.synchronize(self.device)  # could hand the dropped memory out while one is pending
-                self.device_idle()
-            self._buffers = []
-            for _ in range(2):
-                host = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
-                dev = torch.empty(self.capacity, dtype=torch.uint8, device=self.device)
-                view = mapped_view(host, dev)
-                self._buffers.append((host, host if view is None else view, dev))
+            # (the caching host allocator keeps a dropped pinned buffer until its last copy has run)
+            self._buffers = [(torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True),
+                              torch.empty(self.capacity, dtype=torch.uint8, device=self.device)) for _ in range(2)]
         self._turn ^= 1
         if self._pending[self._turn]:
             torch.cuda.synchronize(self.device)
@@ -94,24 +87,3 @@ class Uploader:
         self._pending[self._turn] = True
         return self._buffers[self._turn]
 
-
-class _Pointer:
-    """A device pointer in the `__cuda_array_interface__` form `torch.as_tensor` takes without copying."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-
-
-def mapped_view(host: torch.Tensor, dev: torch.Tensor) -> torch.Tensor | None:
-    """A CUDA tensor over pinned `host`'s memory (the same address under unified addressing), or None where the
-    device cannot read it so: checked once by copying a pattern through it into `dev` and back. The view does
-    not own the memory: its buffer tuple keeps `host` alive beside it."""
-    try:
-        view = torch.as_tensor(_Pointer(host.data_ptr(), host.numel()), device=dev.device)
-        n = min(256, host.numel())
-        pattern = torch.arange(n, dtype=torch.uint8)
-        host[:n].copy_(pattern)
-        dev[:n].copy_(view[:n])
-        return view if torch.equal(dev[:n].cpu(), pattern) else None
-    except (RuntimeError, TypeError, ValueError):
-        return None
