@@ -25,6 +25,7 @@ from peagle_core.models.drafter import Drafter
 from peagle_core.models.gpt_oss import GptOss
 from peagle_core.models.layers import ForwardMeta, pack_qkv
 
+
 def host_slots(block_table: list[int], start: int, end: int, block_size: int, max_model_len: int) -> list[int]:
     """`ModelRunner.slots` on the host for positions start..end-1 of one request: one contiguous run per
     block (a prefill chunk costs a Python step per block, not per token); -1 past max_model_len."""
