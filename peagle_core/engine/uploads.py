@@ -37,6 +37,11 @@ def _packed(parts: list[list], code: str) -> tuple[array.array, list[int]]:
     return values, [n for part, pad in zip(parts, pads) for n in (len(part), pad)]
 
 
+def _tensor(values: array.array, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over the array's memory (frombuffer refuses an empty one)."""
+    return torch.frombuffer(values, dtype=dtype) if values else torch.empty(0, dtype=dtype)
+
+
 def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(flat.split(sizes)[::2]) if sizes else []
 
@@ -59,10 +64,8 @@ class Uploader:
         longs, long_sizes = _packed(ints, "q")
         singles, single_sizes = _packed(floats, "f")
         if self.device.type != "cuda":  # no copy to wait for: the arrays' memory itself, moved if need be
-            return (_views(torch.frombuffer(longs, dtype=torch.long).to(self.device) if longs else
-                           torch.empty(0, dtype=torch.long, device=self.device), long_sizes),
-                    _views(torch.frombuffer(singles, dtype=torch.float32).to(self.device) if singles else
-                           torch.empty(0, dtype=torch.float32, device=self.device), single_sizes))
+            return (_views(_tensor(longs, torch.long).to(self.device), long_sizes),
+                    _views(_tensor(singles, torch.float32).to(self.device), single_sizes))
         n_long, n_single = len(longs) * 8, len(singles) * 4
         host, dev = self._buffer(n_long + n_single)
         ctypes.memmove(host.data_ptr(), longs.buffer_info()[0], n_long)
