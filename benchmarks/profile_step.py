@@ -59,12 +59,13 @@ def profile_calls(fn, dev: torch.device, steps: int) -> tuple[float, list[dict]]
     return wall, kernel_table(prof, steps)
 
 
-def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int, pdl: bool = False) -> dict:
+def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int, pdl: bool = False,
+                 runner_seqs: int = 1) -> dict:
     dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
     # PEAGLE_PDL=1 while a fresh runner is built, captured and run (the kernels read it at capture)
     with mock.patch.dict(os.environ, {"PEAGLE_PDL": "1"} if pdl else {}):
         pdl_used = use_pdl(torch.empty(0, device=dev))
-        runner = make_runner(target, None, "none", k, 1, layout, dev, dt, seed, graphs)
+        runner = make_runner(target, None, "none", k, runner_seqs, layout, dev, dt, seed, graphs)
         batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
         wall, table = profile_calls(lambda: runner.execute(batch), dev, steps)
         replay_ms = graph_replay_ms(runner, batch, dev) if graphs else None
@@ -82,9 +83,11 @@ def host_phases(runner, batch, steps: int = 30) -> dict[str, float] | None:
     """Median host microseconds of a graphed step's phases, each step starting on an idle device (as the bench
     times them): `before_replay` (building and uploading the inputs, loading the graph's buffers: the device is
     idle all that time), `replay` (the graph launch itself), `after_replay` (the LM head's and sampling's
-    launches, then waiting for the device and the copy back). `before_replay` is broken down further:
-    `inputs` (`ModelRunner._inputs`), of which `upload` (the copy to the device), and `load` (the graph's
-    buffers filled from them); whatever of these the runner lacks (an older tree's) is left out."""
+    launches, then waiting for the device and the copy back). Parts, wherever the tree has them: `inputs` (building
+    the step's metadata: `ModelRunner._host_inputs`, or an older tree's `_inputs`, which uploaded it too), `upload`
+    (the `Uploader`'s copy: before the launch in older trees, after it in staged ones), `load` (the graph's buffers
+    filled from device tensors, older trees) and `write` (a staged graph's pinned buffer filled from the lists);
+    whatever of these the runner lacks is left out."""
     import statistics
     import time
     target = getattr(runner.graphs, "target", None)
@@ -96,8 +99,9 @@ def host_phases(runner, batch, steps: int = 30) -> dict[str, float] | None:
         graph.replay = lambda real=real: (marks.append(time.perf_counter()), real(), marks.append(time.perf_counter()))
     spans: dict[str, float] = {}
     wrapped = []
-    for label, obj, name in (("inputs", runner, "_inputs"), ("upload", getattr(runner, "uploads", None), "upload"),
-                             ("upload", runner, "_upload"), ("load", target, "_load")):
+    for label, obj, name in (("inputs", runner, "_inputs"), ("inputs", runner, "_host_inputs"),
+                             ("upload", getattr(runner, "uploads", None), "upload"), ("load", target, "_load"),
+                             ("write", target, "_write")):
         if obj is None or not hasattr(obj, name):
             continue
         def timer(*a, real=getattr(obj, name), label=label, **kw):
@@ -143,8 +147,8 @@ def graph_replay_ms(runner, batch, dev: torch.device) -> float | None:
     if target is None or dev.type != "cuda":
         return None
     with torch.inference_mode():
-        inp = runner._inputs(batch)
-        key = target.key(len(batch), inp.input_ids.shape[0], is_uniform_decode(batch), inp.block_tables.shape[1])
+        tokens = sum(s.num_tokens for s in batch)
+        key = target.key(len(batch), tokens, is_uniform_decode(batch), max(len(s.req.block_table) for s in batch))
         graph = target.graphs.get(key)
         return None if graph is None else measure(graph.replay, dev, warmup=5, iters=30).median_ms
 
@@ -168,16 +172,17 @@ def render(res: dict) -> str:
     out = [f"# Step profile ({res['shape']} shape, bs 1, context {res['context']})", "",
            f"Machine: {res['gpu']}; torch {res['torch']}; {res['date']}.", "", f"Command: `{res['command']}`", "",
            "Host us: a graphed step's host time before the graph's launch (the device idle), the launch, and after it "
-           "(launching the LM head and sampling, then waiting for the device and the copy back), then parts of the "
-           "first: building the inputs (of which uploading them) and loading the graph's buffers; `host_phases`.", "",
-           "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms | host us before / replay / after; inputs (upload), load |",
+           "(launching the LM head and sampling, then waiting for the device and the copy back), then parts: building "
+           "the inputs, uploading them, loading the graph's buffers from the device, writing its pinned buffer "
+           "(`host_phases` says which precede the launch in which tree).", "",
+           "| step | graphs | wall ms | kernel ms | gaps ms | bandwidth-bound ms | host us before / replay / after; inputs, upload, load, write |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in res["cases"]:
         bound = f"{c['bytes'] / res['bandwidth_tb_s'] / 1e9:.3f}" if c.get("bytes") else "-"
         h = c.get("host_us") or {}
         host = " / ".join(f"{h[p]:.0f}" for p in ("before_replay", "replay", "after_replay") if p in h) or "-"
         if "inputs" in h:
-            host += f"; {h['inputs']:.0f} ({h.get('upload', 0):.0f}), {h.get('load', 0):.0f}"
+            host += f"; {h['inputs']:.0f}, {h.get('upload', 0):.0f}, {h.get('load', 0):.0f}, {h.get('write', 0):.0f}"
         out.append(f"| {c['step']} | {'yes' if c['graphs'] else 'no'} | "
                    f"{c['wall_ms']:.3f} | {c['kernel_ms']:.3f} | {c['wall_ms'] - c['kernel_ms']:.3f} | {bound} | {host} |")
     for c in res["cases"]:
@@ -202,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="cap the paged attention's KV splits (what a different split rule would give)")
     ap.add_argument("--pdl", action="store_true",
                     help="also the decode step from graphs with PEAGLE_PDL=1 (programmatic dependent launch)")
+    ap.add_argument("--runner-seqs", type=int, default=1,
+                    help="the step runner's max_num_seqs (its graph buckets; `peagle bench` decodes with 64)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -221,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
            "date": datetime.date.today().isoformat(), "command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
     graph_modes = ((True,) if a.graphs_only else (True, False)) if dev.type == "cuda" else (False,)
-    cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k), f"k={k} graphs={g}")
+    cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k, runner_seqs=a.runner_seqs),
+              f"k={k} graphs={g}")
              for k in (0, 7) for g in graph_modes]
     if a.pdl:  # right after the decode step without it, so both are measured before anything can time out
         cases.insert(1, (lambda: profile_case(target, layout, 0, graph_modes[0], a.steps, seed=1, pdl=True),

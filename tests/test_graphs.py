@@ -6,13 +6,14 @@ tests prove that logic step for step against the plain eager runner. The GPU tes
 graphs with eager mode in bf16 (skipped without CUDA).
 """
 import copy
+import itertools
 import random
 
 import pytest
 import torch
 
 from peagle_core import LLM, SamplingParams
-from peagle_core.engine.graphs import GraphRunner, graph_buckets, is_uniform_decode, make_graph_runner, token_buckets
+from peagle_core.engine.graphs import GraphRunner, GraphSet, HostForward, graph_buckets, is_uniform_decode, make_graph_runner, token_buckets
 from peagle_core.engine.request import Request
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.models.layers import ForwardMeta
@@ -181,9 +182,15 @@ def uniform_batch(runner, computed: list[int], q: int | list[int], seed: int = 0
 
 
 def run_padded(gs, ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta, uniform: bool = True):
+    """The set's forward of the batch: from host lists if the set is staged (the target's), else from tensors."""
     key = gs.key(meta.seq_lens.shape[0], ids.shape[0], uniform, meta.block_tables.shape[1])
     assert key is not None
-    return gs.run(ids, hidden, meta, key)
+    if not gs.staged:
+        return gs.run(ids, hidden, meta, key)
+    assert hidden is None
+    step = HostForward(ids.tolist(), meta.positions.tolist(), meta.query_start_loc.tolist(), meta.seq_lens.tolist(),
+                       meta.block_tables.tolist(), meta.slot_mapping.tolist())
+    return gs.run_host(step, key)
 
 
 def changed_slots(cache: torch.Tensor, before: torch.Tensor) -> set[int]:
@@ -214,8 +221,11 @@ def test_padded_forward_matches_eager_and_writes_only_real_slots(tiny_pair, mixe
         gs = getattr(graphs, name)
         padded = run_padded(gs, ids, hidden, meta, uniform=not mixed)
         Bp, Tp = (MAX_SEQS + 1, next(t for t in token_buckets(64) if t >= T)) if mixed else (4, 4 * q)
-        assert gs.num_padded == 1 and (gs.seq_lens[3:Bp] == 0).all() and (gs.slot_mapping[T:Tp] == -1).all()
-        assert gs.query_start_loc[Bp] == Tp and (gs.query_start_loc[3:Bp + 1].diff() >= 0).all()
+        v = gs.views((Bp, Tp))
+        assert gs.staged == (name == "target")
+        assert gs.num_padded == 1 and (v.seq_lens[3:] == 0).all() and (v.slot_mapping[T:] == -1).all()
+        assert v.query_start_loc[Bp] == Tp and (v.query_start_loc[3:].diff() >= 0).all()
+        assert (v.input_ids[:T] == ids).all() and (v.block_tables[:3, :4] == meta.block_tables).all()
         for e, p in zip(eager, padded):
             if e is None:
                 assert p is None
@@ -244,6 +254,55 @@ def decode_batch(n: int, k: int, seed: int) -> list[Scheduled]:
     return out
 
 
+def echo_set(staged: bool, device: str = "cpu", capture: bool = False, **kw) -> GraphSet:
+    """A GraphSet whose forward returns what it was given, every input side by side per token or request."""
+    def forward(ids, hidden, meta):
+        req = torch.arange(meta.seq_lens.shape[0], device=ids.device).repeat_interleave(
+            meta.query_start_loc.diff(), output_size=ids.shape[0])
+        return (torch.stack([ids, meta.positions, meta.slot_mapping, meta.seq_lens[req], meta.block_tables[req, 0]], 1),)
+    return GraphSet("echo", forward, graph_buckets(MAX_SEQS), 4, token_buckets(40), 5, None, torch.device(device),
+                    capture, staged=staged, **kw)
+
+
+def host_step(rng: random.Random, B: int, q: list[int]) -> HostForward:
+    """B requests of q[b] tokens each, request b owning 1..5 blocks with ids from 10 * b."""
+    tables = [[10 * b + j for j in range(rng.randint(1, 5))] for b in range(B)]
+    T = sum(q)
+    return HostForward([rng.randrange(1000) for _ in range(T)], [rng.randrange(80) for _ in range(T)],
+                       [0] + list(itertools.accumulate(q)), [rng.randint(n, 80) for n in q], tables,
+                       [rng.randrange(-1, 500) for _ in range(T)])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_staged_set_writes_what_a_device_loaded_set_loads(seed):
+    """The host's layout and dummies (`GraphSet._write`) against the device path's (`_load`, `_pad`) on the same
+    steps, decode-shaped and mixed, a smaller step after a larger one under the same key (stale rows)."""
+    rng = random.Random(seed)
+    staged, loaded = echo_set(True), echo_set(False)
+    for B in (rng.randint(2, MAX_SEQS), 1):
+        uniform = rng.random() < 0.5
+        q = [rng.randint(1, 4)] * B if uniform else [rng.randint(1, 6) for _ in range(B)]
+        step = host_step(rng, B, q)
+        width = max(map(len, step.block_tables))
+        key = staged.key(B, sum(q), uniform, width)
+        assert key == loaded.key(B, sum(q), uniform, width) and key is not None
+        ids = torch.tensor(step.input_ids)
+        meta = ForwardMeta(positions=torch.tensor(step.positions), query_start_loc=torch.tensor(step.query_start_loc),
+                           seq_lens=torch.tensor(step.seq_lens), slot_mapping=torch.tensor(step.slot_mapping),
+                           block_tables=torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables]))
+        (out,) = staged.run_host(step, key)
+        assert out.tolist() == loaded.run(ids, None, meta, key)[0].tolist()
+        assert out[:, 0].tolist() == step.input_ids and out[:, 4].tolist() == [t[0] for t, n in zip(step.block_tables, q)
+                                                                               for _ in range(n)]
+        a, b = staged.views(key), loaded.views(key)
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
+            assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+        assert a.block_tables[:B, :width].tolist() == b.block_tables[:B, :width].tolist()
+        assert a.query_start_loc[-1] == key[1] and (a.slot_mapping[sum(q):] == -1).all() and (a.seq_lens[B:] == 0).all()
+    with pytest.raises(RuntimeError, match="run_host"):
+        staged.run(ids, None, meta, key)
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("mode", ["peagle", "eagle3"])
 @pytest.mark.parametrize("draft_len", [None, 2])
@@ -268,7 +327,7 @@ def test_padded_drafter_step_equals_eager_and_its_dummies_write_nothing(tiny_pai
         # the drafter writes its verified and drafted slots (blocks of requests 0..n-1) and nothing else
         assert {s // (4 * padded.block_size) for s in changed_slots(padded.drafter_cache, before)} == set(range(n))
     assert graphs.draft_steps.num_replays == 2 and graphs.draft_steps.num_padded == 1
-    assert (graphs.target.block_tables[3, :4] == torch.arange(12, 16)).all()  # stale: request 3's blocks
+    assert (graphs.target.views((4, 4 * (k + 1))).block_tables[3, :4] == torch.arange(12, 16)).all()  # stale: request 3's
 
 
 @pytest.mark.parametrize("mode,k", CASES)
@@ -301,6 +360,26 @@ def test_padded_graph_path_gives_the_eager_runners_steps(tiny_pair, reference, m
 # ---------------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_staged_graph_reads_its_step_when_it_replays_and_the_next_write_waits_for_it():
+    """Replays queued behind a busy device: each must see its own step (its graph copies the pinned buffer in when
+    it runs), so a write into that buffer while a replay is pending must wait; it would not without the wait."""
+    gs = echo_set(True, "cuda", capture=True, pool=torch.cuda.graph_pool_handle())
+    rng = random.Random(0)
+    steps = [host_step(rng, 3, [2, 2, 2]) for _ in range(3)]
+    key = gs.key(3, 6, True, max(len(t) for st in steps for t in st.block_tables))
+    gs.capture_one(key)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: every replay below queues behind it
+    outs = [gs.run_host(st, key)[0].clone() for st in steps]
+    torch.cuda.synchronize()
+    for st, out in zip(steps, outs):
+        assert out[:, 0].tolist() == st.input_ids and out[:, 2].tolist() == st.slot_mapping
+    gs.device_idle()
+    assert gs.run_host(steps[0], key)[0][:, 1].tolist() == steps[0].positions
 
 
 @pytest.mark.gpu

@@ -20,8 +20,10 @@ Padding is harmless: padded tokens write no K/V (slot -1) and attend to nothing 
 outputs are never read. The attention kernel's KV split count also reads the block-table width, which
 a graph fixes at max_model_len. Steps larger than every bucket run eagerly.
 
-A replay copies the real inputs into static buffers sized for the largest bucket, pads the rest,
-replays, and returns views of static output buffers (valid until the same model's next replay).
+A replay puts the real inputs and the dummies' into the key's static input buffers, replays, and returns views
+of static output buffers (valid until the same model's next replay). Rank 0's target graphs take their inputs as
+host lists, written into a pinned buffer that the graph itself copies in (`GraphSet`, "staged"); the others copy
+device tensors in before the replay.
 All graphs share one memory pool and are captured largest first (as nano-vllm does,
 reference/aesthetics.md §1.4); every intermediate dies inside its own graph, so any replay order is safe.
 The target's logits and sampling stay outside the graphs (the drafter step's LM head and argmax are inside).
@@ -40,8 +42,12 @@ runs on rank 0 alone: its graphs are rank 0's business.
 """
 from __future__ import annotations
 
+import array
 import contextlib
+import ctypes
 import weakref
+from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol
 
 import torch
@@ -110,27 +116,82 @@ def capture_graph(run: Callable[[], None], pool, what: str) -> torch.cuda.CUDAGr
     return graph
 
 
+@dataclass(frozen=True)
+class HostForward:
+    """A target forward's inputs as host lists (`ModelRunner._host_inputs`): a staged `GraphSet` writes them
+    straight into its pinned buffer."""
+    input_ids: list[int]
+    positions: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]  # each request's own blocks, unpadded
+    slot_mapping: list[int]
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One key's input buffers: views of its GraphSet's flat buffer, the first `num_tokens` / `num_seqs` real."""
+    input_ids: torch.Tensor        # [Tk]
+    positions: torch.Tensor        # [Tk]
+    slot_mapping: torch.Tensor     # [Tk]
+    query_start_loc: torch.Tensor  # [Bk + 1]
+    seq_lens: torch.Tensor         # [Bk]
+    block_tables: torch.Tensor     # [Bk, max_blocks]
+
+    def meta(self, num_seqs: int, num_tokens: int) -> ForwardMeta:
+        return ForwardMeta(positions=self.positions[:num_tokens], query_start_loc=self.query_start_loc[:num_seqs + 1],
+                           seq_lens=self.seq_lens[:num_seqs], slot_mapping=self.slot_mapping[:num_tokens],
+                           block_tables=self.block_tables[:num_seqs])
+
+
+def _layout(num_seqs: int, num_tokens: int, max_blocks: int) -> tuple[list[int], int]:
+    """Offsets (int64 elements) of ids, positions, slots, query starts, lengths and block tables in a key's
+    stretch of the flat buffer, each 16 bytes aligned (Triton specialises on a pointer's alignment), and its end."""
+    offsets, o = [], 0
+    for n in (num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * max_blocks):
+        offsets.append(o)
+        o += n + n % 2
+    return offsets, o
+
+
+def dummy_step(num_real: int, num_tokens: int, num_dummies: int) -> int:
+    """Dummies share tokens num_real..num_tokens-1, `step` each (exactly the padding in a decode step; the last
+    ones may get fewer or none in a mixed one): dummy i's query starts at min(num_real + step * i, num_tokens)."""
+    return -(-(num_tokens - num_real) // num_dummies)
+
+
 class GraphSet:
-    """The graphs of one forward (target or drafter) and the static buffers they read and write."""
+    """The graphs of one forward (target or drafter) and the static buffers they read and write.
+
+    Every key's inputs are views of one flat buffer, each key's packed from its start (`_layout`): only one step
+    runs at a time, and a key's graph reads only its own stretch. A staged set (rank 0's target) keeps a pinned
+    twin of that buffer: the host writes a step's lists into it (`run_host`) and the graph's first node copies the
+    key's stretch in (block tables at full width: at bs 64 and 32k tokens a 1 MB copy, tens of microseconds of a
+    ~13 ms 20B-shape step), so before the launch the host makes no CUDA call at all. (On the lent H200's virtual machines
+    each CUDA call cost the host 10-20 us, and the step's upload and the copies into these buffers 140-290 us
+    before the device had anything to run: docs/benchmarks/ab_uploads.md.) Other sets load device tensors (`run`):
+    the drafter's (inputs made on the device) and the tensor-parallel workers' (broadcast from rank 0)."""
 
     def __init__(self, name: str, forward: Forward, buckets: list[int], max_tokens_per_seq: int,
                  mixed_buckets: list[int], max_blocks: int, hidden: tuple[int, torch.dtype] | None,
-                 device: torch.device, capture: bool, pool=None, mirror: Mirror | None = None):
+                 device: torch.device, capture: bool, pool=None, mirror: Mirror | None = None, staged: bool = False):
         self.name, self.forward, self.buckets, self.max_tokens_per_seq = name, forward, buckets, max_tokens_per_seq
         self.mixed_buckets, self.mixed_seqs = mixed_buckets, buckets[-1] + 1  # >= 1 dummy owns the padded tokens
-        self.capture, self.pool, self.mirror = capture, pool, mirror
-        B = self.mixed_seqs
-        T = max([buckets[-1] * max_tokens_per_seq, *mixed_buckets])
-        long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(T, **long)
-        self.positions = torch.zeros(T, **long)
-        self.slot_mapping = torch.full((T,), -1, **long)
-        self.query_start_loc = torch.zeros(B + 1, **long)
-        self.seq_lens = torch.zeros(B, **long)
-        self.block_tables = torch.zeros(B, max_blocks, **long)
+        self.capture, self.pool, self.mirror, self.staged, self.max_blocks = capture, pool, mirror, staged, max_blocks
+        T = self.max_tokens = max([buckets[-1] * max_tokens_per_seq, *mixed_buckets])
+        size = _layout(self.mixed_seqs, T, max_blocks)[1]
+        self.flat = torch.zeros(size, dtype=torch.long, device=device)
+        # (pinned: the graph's copy reads it when it replays, asynchronously)
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda") if staged else None
+        # the host buffer as int64 Python memory: slices take arrays in one C copy each, no tensor op per part
+        self._host_mem = memoryview((ctypes.c_int64 * size).from_address(self.host.data_ptr())).cast("B").cast("q") \
+            if staged else None
+        self._host_pending = False  # a replay queued since the device was last idle may still read `host`
+        self._cuda = device.type == "cuda"
         self.hidden = torch.zeros(T, hidden[0], dtype=hidden[1], device=device) if hidden else None
         self.outputs: list[torch.Tensor | None] | None = None  # sized from the first forward's outputs
         self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
+        self._views: dict[Key, Inputs] = {}
         self.num_replays = self.num_padded = 0
 
     def bucket(self, num_seqs: int) -> int:
@@ -138,7 +199,7 @@ class GraphSet:
 
     def key(self, num_seqs: int, num_tokens: int, uniform: bool, block_table_width: int) -> Key | None:
         """The graph a step of this shape replays (decode family if `uniform`, else mixed); None: run eagerly."""
-        if block_table_width > self.block_tables.shape[1] or num_seqs < 1:
+        if block_table_width > self.max_blocks or num_seqs < 1:
             return None
         q = num_tokens // num_seqs
         if uniform and num_seqs <= self.buckets[-1] and q * num_seqs == num_tokens and 0 < q <= self.max_tokens_per_seq:
@@ -148,15 +209,45 @@ class GraphSet:
             return self.mixed_seqs, next(t for t in self.mixed_buckets if t >= num_tokens)
         return None
 
+    def views(self, key: Key) -> Inputs:
+        """The input buffers of graph `key` (made once: a view costs the host a few microseconds)."""
+        if key not in self._views:
+            (ids, pos, slots, qsl, seq, tables), _ = _layout(*key, self.max_blocks)
+            B, T, f = key[0], key[1], self.flat
+            self._views[key] = Inputs(f[ids:ids + T], f[pos:pos + T], f[slots:slots + T], f[qsl:qsl + B + 1],
+                                      f[seq:seq + B], f[tables:tables + B * self.max_blocks].view(B, self.max_blocks))
+        return self._views[key]
+
     def run(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta, key: Key
             ) -> tuple[torch.Tensor | None, ...]:
-        """The forward of a batch padded to `key` (from `self.key`)."""
+        """The forward of a batch padded to `key` (from `self.key`), its inputs on the device."""
+        if self.staged:
+            raise RuntimeError(f"the {self.name} graphs load their inputs from the host (run_host)")
         B, T = meta.seq_lens.shape[0], input_ids.shape[0]
         if self.capture and key not in self.graphs:
             self.capture_one(key)
         if self.mirror is not None:
             self.mirror.replay(key, input_ids, meta)  # the workers load the same step and replay the same key
         self._load(input_ids, hidden, meta, *key)
+        return self._replay(key, B, T)
+
+    def run_host(self, step: HostForward, key: Key) -> tuple[torch.Tensor | None, ...]:
+        """The forward of a batch padded to `key` (from `self.key`), its inputs host lists (a staged set)."""
+        B, T = len(step.seq_lens), len(step.input_ids)
+        if self.capture and key not in self.graphs:
+            self.capture_one(key)
+        self._write(step, key)
+        if self.mirror is not None:  # the workers need the step now, from rank 0's device (the graph copies again)
+            self._copy_in(key)
+            self.mirror.replay(key, self.views(key).input_ids[:T], self.views(key).meta(B, T))
+        self._host_pending = True
+        return self._replay(key, B, T)
+
+    def device_idle(self) -> None:
+        """Every replay queued so far has run (the caller waited for the device): the host buffer is free."""
+        self._host_pending = False
+
+    def _replay(self, key: Key, B: int, T: int) -> tuple[torch.Tensor | None, ...]:
         if self.capture:
             self.graphs[key].replay()
         else:
@@ -168,20 +259,51 @@ class GraphSet:
     def capture_one(self, key: Key) -> None:
         """Warm up, then capture the forward of `num_seqs` dummy requests sharing `num_tokens` into the shared pool."""
         num_seqs, num_tokens = key
-        self._pad(0, 0, num_seqs, num_tokens)  # all dummies: the warm-up writes no K/V and reads none
+        # all dummies: the warm-up writes no K/V and reads none
+        if self.staged:
+            self._write(HostForward([], [], [0], [], [], []), key)
+        else:
+            self._pad(0, 0, num_seqs, num_tokens)
         if self.mirror is not None:
             self.mirror.capture(key)  # the workers' warm-ups and captures meet rank 0's in every all-reduce
         self.graphs[key] = capture_graph(lambda: self._forward(num_seqs, num_tokens), self.pool,
                                          f"the {self.name} forward ({num_seqs} requests, {num_tokens} tokens)")
 
+    def _write(self, step: HostForward, key: Key) -> None:
+        """The step's lists and its dummies' inputs into the pinned buffer, laid out as `views(key)` (`_pad`'s
+        dummies, block-table rows past the batch's left stale)."""
+        if self._host_pending and self._cuda:  # a caller replaying twice without waiting (never the engine)
+            torch.cuda.synchronize(self.flat.device)
+            self._host_pending = False
+        Bk, Tk = key
+        B, T = len(step.seq_lens), len(step.input_ids)
+        tables_at = _layout(Bk, Tk, self.max_blocks)[0][5]
+        step_ = dummy_step(T, Tk, Bk - B) if Bk > B else 0
+        starts = [min(T + step_ * i, Tk) for i in range(1, Bk - B + 1)]
+        head = array.array("q")
+        for part, fill, size in ((step.input_ids, 0, Tk), (step.positions, 0, Tk), (step.slot_mapping, -1, Tk),
+                                 (step.query_start_loc + starts, 0, Bk + 1), (step.seq_lens, 0, Bk)):
+            head.extend(part)
+            head.extend(repeat(fill, size - len(part) + size % 2))
+        mem = self._host_mem
+        mem[:tables_at] = head
+        for i, row in enumerate(step.block_tables):
+            at = tables_at + i * self.max_blocks
+            mem[at:at + len(row)] = array.array("q", row)
+
+    def _copy_in(self, key: Key) -> None:
+        """The key's stretch of the pinned buffer to the device: in a staged set's graphs, their first node."""
+        end = _layout(*key, self.max_blocks)[1]
+        self.flat[:end].copy_(self.host[:end], non_blocking=True)
+
     def _load(self, input_ids: torch.Tensor, hidden: torch.Tensor | None, meta: ForwardMeta,
               num_seqs: int, num_tokens: int) -> None:
         B, T = meta.seq_lens.shape[0], input_ids.shape[0]
-        dst = [self.input_ids[:T], self.positions[:T], self.slot_mapping[:T], self.query_start_loc[:B + 1],
-               self.seq_lens[:B]]
+        v = self.views((num_seqs, num_tokens))
+        dst = [v.input_ids[:T], v.positions[:T], v.slot_mapping[:T], v.query_start_loc[:B + 1], v.seq_lens[:B]]
         src = [input_ids, meta.positions, meta.slot_mapping, meta.query_start_loc, meta.seq_lens]
         # Columns past this batch's width keep stale block ids: a request never reads past its own blocks.
-        tables = self.block_tables[:B, :meta.block_tables.shape[1]]
+        tables = v.block_tables[:B, :meta.block_tables.shape[1]]
         if tables.is_contiguous():  # one request, or the full width: a flat copy like the others
             dst.append(tables.view(-1))
             src.append(meta.block_tables.reshape(-1))
@@ -194,37 +316,34 @@ class GraphSet:
         self._pad(B, T, num_seqs, num_tokens)
 
     def _pad(self, B: int, T: int, num_seqs: int, num_tokens: int) -> None:
-        """Requests B..num_seqs-1 become dummies sharing tokens T..num_tokens-1, `step` each (q in a decode
-        step; in a mixed step the last ones may get fewer or none): position 0, no K/V write, no keys to read."""
+        """Requests B..num_seqs-1 become dummies sharing tokens T..num_tokens-1 (`dummy_step`): position 0, no
+        K/V write, no keys to read."""
         n = num_seqs - B
         if n == 0:
             return
-        self.input_ids[T:num_tokens].zero_()
-        self.positions[T:num_tokens].zero_()
-        self.slot_mapping[T:num_tokens].fill_(-1)
-        qsl = self.query_start_loc[B:num_seqs + 1]
-        step = -(-(num_tokens - T) // n)
+        v = self.views((num_seqs, num_tokens))
+        v.input_ids[T:].zero_()
+        v.positions[T:].zero_()
+        v.slot_mapping[T:].fill_(-1)
+        qsl = v.query_start_loc[B:]
+        step = dummy_step(T, num_tokens, n)
         if step == 0:
             qsl.fill_(T)
         else:  # one kernel in a decode step (n * step is exactly the padding), a clamp more in a mixed one
             torch.arange(T, T + step * n + 1, step, out=qsl)
             if step * n != num_tokens - T:
                 qsl.clamp_(max=num_tokens)
-        self.seq_lens[B:num_seqs].zero_()
-
-    def meta(self, num_seqs: int, T: int) -> ForwardMeta:
-        """The static buffers' metadata for `num_seqs` requests sharing T tokens."""
-        return ForwardMeta(positions=self.positions[:T], query_start_loc=self.query_start_loc[:num_seqs + 1],
-                           seq_lens=self.seq_lens[:num_seqs], slot_mapping=self.slot_mapping[:T],
-                           block_tables=self.block_tables[:num_seqs])
+        v.seq_lens[B:].zero_()
 
     def _forward(self, num_seqs: int, T: int) -> None:
+        if self.staged:
+            self._copy_in((num_seqs, T))
+        v = self.views((num_seqs, T))
         with self.mirror.muted() if self.mirror is not None else contextlib.nullcontext():
-            outs = self.forward(self.input_ids[:T], None if self.hidden is None else self.hidden[:T],
-                                self.meta(num_seqs, T))
+            outs = self.forward(v.input_ids, None if self.hidden is None else self.hidden[:T], v.meta(num_seqs, T))
         if self.outputs is None:  # the first call is a warm-up or an uncaptured run, never a capture
-            n = self.input_ids.shape[0]
-            self.outputs = [None if o is None else torch.empty(n, *o.shape[1:], dtype=o.dtype, device=o.device)
+            self.outputs = [None if o is None else torch.empty(self.max_tokens, *o.shape[1:], dtype=o.dtype,
+                                                                device=o.device)
                             for o in outs]
         for buf, o in zip(self.outputs, outs):
             if buf is not None:
@@ -294,9 +413,9 @@ class DraftSteps:
                                           f"{n} drafts)")
 
     def _step(self, num_seqs: int, T: int, n: int) -> None:
-        t = self.target
+        t, v = self.target, self.target.views((num_seqs, T))
         aux = t.outputs[1][:T]  # written by the target's forward of this key
-        self.drafts[:num_seqs, :n].copy_(self.step(t.input_ids[:T], aux, t.meta(num_seqs, T),
+        self.drafts[:num_seqs, :n].copy_(self.step(v.input_ids, aux, v.meta(num_seqs, T),
                                                    self.next_ids[:num_seqs], self.num_rejected[:num_seqs], n))
 
 
@@ -319,7 +438,7 @@ class GraphRunner:
         budget = max_num_batched_tokens
         mixed = lambda extra: token_buckets(budget + extra) if budget else []
         self.target = target_graph_set(runner.target, max_num_seqs, K, runner.max_model_len, runner.block_size,
-                                       budget, dev, capture, self.pool, mirror)
+                                       budget, dev, capture, self.pool, mirror, staged=True)
         self.drafter: GraphSet | None = None
         self.draft_steps: DraftSteps | None = None
         if runner.drafter is not None:
@@ -375,12 +494,12 @@ class GraphRunner:
 
 def target_graph_set(target: Callable, max_num_seqs: int, K: int, max_model_len: int, block_size: int,
                      budget: int | None, device: torch.device, capture: bool, pool=None,
-                     mirror: Mirror | None = None) -> GraphSet:
-    """The target's verify graphs. Tensor-parallel workers build theirs from the same numbers (rank 0 sends
-    them at start-up), so that every rank has the same keys and buffers."""
+                     mirror: Mirror | None = None, staged: bool = False) -> GraphSet:
+    """The target's verify graphs (`staged`: rank 0's, loaded from the host). Tensor-parallel workers build theirs
+    from the same numbers (rank 0 sends them at start-up), so that every rank has the same keys and buffers."""
     return GraphSet("target", lambda ids, _, meta: target(ids, meta), graph_buckets(max_num_seqs), K + 1,
                     token_buckets(budget) if budget else [], -(-max_model_len // block_size), None, device,
-                    capture, pool, mirror)
+                    capture, pool, mirror, staged)
 
 
 def make_graph_runner(runner: ModelRunner, max_num_seqs: int, enforce_eager: bool,

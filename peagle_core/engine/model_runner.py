@@ -18,8 +18,9 @@ import torch
 from kernels.dispatch import use_triton
 from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from kernels.sampling import rejection_sample
-from peagle_core.engine.graphs import GraphRunner, is_uniform_decode
+from peagle_core.engine.graphs import GraphRunner, HostForward, is_uniform_decode
 from peagle_core.engine.scheduler import Scheduled
+from peagle_core.engine.types import SamplingParams
 from peagle_core.engine.uploads import Uploader
 from peagle_core.models.drafter import Drafter
 from peagle_core.models.gpt_oss import GptOss
@@ -40,20 +41,27 @@ def host_slots(block_table: list[int], start: int, end: int, block_size: int, ma
 
 
 @dataclass
+class HostStep:
+    """One step's metadata on the host (`ModelRunner._host_inputs`)."""
+    forward: HostForward           # the target forward's inputs
+    num_drafts: list[int]          # [B] drafts verified per request
+    next_ids: list[int]            # [B] next prompt token of requests still in their prompt (0 if sampling)
+    rows: list[int]                # [N] hidden rows to verify: the last 1 + k of each sampling request
+    draft_ids: list[int]           # [N] the draft each row judges (-1 on a request's last row)
+    cu: list[int]                  # [S+1] rows of sampling request j: cu[j] .. cu[j+1]-1
+    sampling: list[int]            # [S] batch index of each sampling request
+    params: list[SamplingParams]   # [S]
+
+
+@dataclass
 class StepInputs:
-    """One step's metadata on the device (`ModelRunner._inputs`), with the host lists the step still reads."""
-    input_ids: torch.Tensor        # [T] request tokens: uncomputed ones, then drafts
-    positions: torch.Tensor        # [T]
-    query_start_loc: torch.Tensor  # [B+1]
-    seq_lens: torch.Tensor         # [B] cached length after this step's tokens
-    block_tables: torch.Tensor     # [B, W]
-    slot_mapping: torch.Tensor     # [T] (-1: past max_model_len)
-    num_drafts: torch.Tensor       # [B] drafts verified per request
-    next_ids: torch.Tensor         # [B] next prompt token of requests still in their prompt (0 if sampling)
-    rows: torch.Tensor             # [N] hidden rows to verify: the last 1 + k of each sampling request
-    draft_ids: torch.Tensor        # [N] the draft each row judges (-1 on a request's last row)
-    cu: torch.Tensor               # [S+1] rows of sampling request j: cu[j] .. cu[j+1]-1
-    sampling: torch.Tensor         # [S] batch index of each sampling request
+    """A step's verification inputs on the device (`ModelRunner._upload`), with the host lists it still reads."""
+    num_drafts: torch.Tensor       # [B]
+    next_ids: torch.Tensor         # [B]
+    rows: torch.Tensor             # [N]
+    draft_ids: torch.Tensor        # [N]
+    cu: torch.Tensor               # [S+1]
+    sampling: torch.Tensor         # [S]
     top_k: torch.Tensor            # [S]
     temperature: torch.Tensor      # [S]
     top_p: torch.Tensor            # [S]
@@ -114,25 +122,29 @@ class ModelRunner:
         """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify.
         `while_busy` runs once everything is launched, before the step waits for the device, if the device is
         still working on the step (`_device_busy`)."""
-        inp = self._inputs(batch)
-        meta = ForwardMeta(positions=inp.positions, query_start_loc=inp.query_start_loc, seq_lens=inp.seq_lens,
-                           slot_mapping=inp.slot_mapping, block_tables=inp.block_tables)
+        host = self._host_inputs(batch)
+        B, T = len(batch), len(host.forward.input_ids)
         # A decode step (no prefill, one k) replays the target's decode graph; its drafter step then replays too.
         uniform = is_uniform_decode(batch)
-        key = self.graphs.target.key(len(batch), inp.input_ids.shape[0], uniform, inp.block_tables.shape[1]) \
-            if self.graphs is not None else None
+        width = max(map(len, host.forward.block_tables))
+        key = self.graphs.target.key(B, T, uniform, width) if self.graphs is not None else None
         n = self.K if draft_len is None else min(self.K, max(1, draft_len))
         if key is not None and self.graphs.draft_steps is not None:
             self.graphs.draft_steps.ensure(key, n)  # a first capture pads the target's buffers: before they load
         if key is not None:
-            hidden, aux = self.graphs.target.run(inp.input_ids, None, meta, key)
+            # the graph copies its inputs in itself: until its launch the host makes no CUDA call
+            hidden, aux = self.graphs.target.run_host(host.forward, key)
+            views = self.graphs.target.views(key)
+            input_ids, meta = views.input_ids[:T], views.meta(B, T)
+            inp, _ = self._upload(host, None)  # behind the launch: the device is busy with the graph meanwhile
         else:
-            hidden, aux = self.target(inp.input_ids, meta)
+            inp, (input_ids, meta) = self._upload(host, width)
+            hidden, aux = self.target(input_ids, meta)
 
         tokens, num_accepted, next_ids = self._verify(batch, hidden, inp)
         drafts = None
         if self.drafter is not None:
-            drafts = self._draft(key, uniform, inp.input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
+            drafts = self._draft(key, uniform, input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
         if while_busy is not None and self._device_busy():
             while_busy()
         return self._to_host(batch, tokens, num_accepted, drafts)
@@ -143,10 +155,8 @@ class ModelRunner:
         is free only then. Never on a CPU, where everything ran synchronously."""
         return self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query()
 
-    def _inputs(self, batch: list[Scheduled]) -> StepInputs:
-        """The step's metadata, built on the host and uploaded in one asynchronous copy (`Uploader`). Nothing
-        after the first launch waits for the host: a pageable host-to-device copy would wait for the stream, so
-        each one placed after the target forward used to stall the step."""
+    def _host_inputs(self, batch: list[Scheduled]) -> HostStep:
+        """The step's metadata as host lists."""
         ids, pos, qsl, seq, num_drafts, next_ids = [], [], [0], [], [], []
         rows, draft_ids, cu, sampling = [], [], [0], []
         for i, s in enumerate(batch):
@@ -164,23 +174,39 @@ class ModelRunner:
                 rows += range(qsl[-1] - s.num_drafts - 1, qsl[-1])
                 draft_ids += r.drafts[:s.num_drafts] + [-1]
                 cu.append(cu[-1] + s.num_drafts + 1)
-        width = max(len(s.req.block_table) for s in batch)
-        tables, slots = [], []
+        slots = []
         for s in batch:
-            table = s.req.block_table
-            tables += table + [0] * (width - len(table))
-            slots += host_slots(table, s.req.num_computed, s.req.num_computed + s.num_tokens, self.block_size,
-                                self.max_model_len)
-        params = [batch[i].req.params for i in sampling]
+            slots += host_slots(s.req.block_table, s.req.num_computed, s.req.num_computed + s.num_tokens,
+                                self.block_size, self.max_model_len)
+        forward = HostForward(ids, pos, qsl, seq, [s.req.block_table for s in batch], slots)
+        return HostStep(forward, num_drafts, next_ids, rows, draft_ids, cu, sampling,
+                        [batch[i].req.params for i in sampling])
+
+    def _upload(self, host: HostStep, width: int | None) -> tuple[StepInputs, tuple[torch.Tensor, ForwardMeta] | None]:
+        """The step's verification inputs, and with a block-table `width` the target forward's too, in one
+        asynchronous copy (`Uploader`). Nothing after the first launch waits for the host: a pageable
+        host-to-device copy would wait for the stream, so each one placed after the target forward used to stall
+        the step."""
+        params = host.params
+        ints = [host.num_drafts, host.next_ids, host.rows, host.draft_ids, host.cu, host.sampling,
+                [p.top_k for p in params]]
+        f = host.forward
+        if width is not None:
+            tables = [b for t in f.block_tables for b in t + [0] * (width - len(t))]
+            ints += [f.input_ids, f.positions, f.query_start_loc, f.seq_lens, tables, f.slot_mapping]
+        ints, (temperature, top_p) = self.uploads.upload(ints, [[p.temperature for p in params],
+                                                                [p.top_p for p in params]])
+        num_drafts, next_ids, rows, draft_ids, cu, sampling, top_k = ints[:7]
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy)
-        ints, floats = self.uploads.upload([ids, pos, qsl, seq, tables, slots, num_drafts, next_ids, rows, draft_ids,
-                                            cu, sampling, [p.top_k for p in params]],
-                                           [[p.temperature for p in params], [p.top_p for p in params]])
-        (input_ids, positions, qsl_t, seq_lens, tables_t, slot_mapping, num_drafts_t, next_ids_t, rows_t, draft_ids_t,
-         cu_t, sampling_t, top_k), (temperature, top_p) = ints, floats
-        return StepInputs(input_ids, positions, qsl_t, seq_lens, tables_t.view(len(batch), width), slot_mapping,
-                          num_drafts_t, next_ids_t, rows_t, draft_ids_t, cu_t, sampling_t, top_k, temperature, top_p,
-                          sampling_host=sampling, cu_host=cu, filtered=filtered, all_rows=len(rows) == len(ids))
+        inp = StepInputs(num_drafts, next_ids, rows, draft_ids, cu, sampling, top_k, temperature, top_p,
+                         sampling_host=host.sampling, cu_host=host.cu, filtered=filtered,
+                         all_rows=len(host.rows) == len(f.input_ids))
+        if width is None:
+            return inp, None
+        input_ids, positions, qsl, seq_lens, tables, slot_mapping = ints[7:]
+        return inp, (input_ids, ForwardMeta(positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
+                                            slot_mapping=slot_mapping,
+                                            block_tables=tables.view(len(f.seq_lens), width)))
 
     def _verify(self, batch: list[Scheduled], hidden: torch.Tensor, inp: StepInputs):
         """Rejection-sample the requests that reach their end; others continue with their next prompt token."""
@@ -309,6 +335,8 @@ class ModelRunner:
         parts = [tokens, num_accepted[:, None]] + ([drafts] if drafts is not None else [])
         rows = torch.cat(parts, dim=1).tolist()  # waits for the device: every upload so far has been read
         self.uploads.device_idle()
+        if self.graphs is not None:
+            self.graphs.target.device_idle()
         out_tokens = [r[:r[K1] + 1] if s.samples else [] for s, r in zip(batch, rows)]
         drafts = [r[K1 + 1:] for r in rows]
         return StepResult(out_tokens, [r[K1] for r in rows], drafts)

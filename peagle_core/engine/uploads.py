@@ -1,8 +1,10 @@
 """A step's metadata from host lists to the device: one copy through reused pinned buffers.
 
-Before a step's first launch the device is idle, so every microsecond the host spends here is step time
+Before an eager step's first launch the device is idle, so every microsecond the host spends here is step time
 (on an H200 the host's share of a 20B-shape decode step was 230-410 us, docs/benchmarks/ab_skinny_linear.md,
 and on the lent machine's virtual machine each CUDA call costs the host 10-20 us: docs/benchmarks/ab_uploads.md).
+A graphed step uploads only its verification inputs here, after the graph's launch (the graph copies its own
+inputs in: `graphs.GraphSet`, staged).
 So the integers and the float sampling parameters share one buffer, written with one memmove into pinned
 memory kept from step to step, and reach the device in one asynchronous copy. (A device-to-device copy out of
 the pinned buffer's device view, under unified addressing one CUDA call where PyTorch's host-to-device copy
