@@ -3,12 +3,11 @@
 Before an eager step's first launch the device is idle, so every microsecond the host spends here is step time
 (on an H200 the host's share of a 20B-shape decode step was 230-410 us, docs/benchmarks/ab_skinny_linear.md,
 and on the lent machine's virtual machine each CUDA call costs the host 10-20 us: docs/benchmarks/ab_uploads.md).
-A graphed step uploads only its verification inputs here, after the graph's launch (the graph copies its own
-inputs in: `graphs.GraphSet`, staged).
 So the integers and the float sampling parameters share one buffer, written with one memmove into pinned
 memory kept from step to step, and reach the device in one asynchronous copy. (A device-to-device copy out of
 the pinned buffer's device view, under unified addressing one CUDA call where PyTorch's host-to-device copy
-makes more, was measured too: no faster, ab_uploads.md, so not kept.)
+makes more, was measured too: no faster, ab_uploads.md, so not kept.) A graphed step uploads only its
+verification inputs here, after the graph's launch: the graph copies its own inputs in (`graphs.GraphSet`, staged).
 
 Two buffers alternate. The host refills one only once the copy that last read it has run: the runner says
 when the device is idle (`device_idle`, after each step's device-to-host copy), and an upload into a buffer
@@ -91,4 +90,3 @@ class Uploader:
             self.device_idle()
         self._pending[self._turn] = True
         return self._buffers[self._turn]
-
