@@ -6,7 +6,6 @@
 #   bash benchmarks/gpu_run.sh ab        # one H200: decode-step profiles of this tree against an earlier commit's
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
-#   bash benchmarks/gpu_run.sh l2        # one H200: the o weights read into L2 beside attention, off against on
 #   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
@@ -130,22 +129,6 @@ case "${1:-}" in
   gpu-tests)  # one H200: every GPU test, with their durations
     timeout 560 python3 -m pytest -v -p no:cacheprovider -m gpu --durations=30 $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 40
-    ;;
-  l2)  # one H200: the o projection's weight read into L2 on a side branch of the graph (kernels/prefetch.py): its
-        # microbenchmark, decode-step profiles with PEAGLE_L2_PREFETCH=0 and 1 alternating (L2_ROUNDS rounds), its
-        # GPU tests, then `peagle bench` (with it, the default) unless L2_BENCH=0
-    timeout 100 python3 benchmarks/l2_prefetch.py --out "$OUT" 2>&1 | tail -n 6
-    for ((r = 1; r <= ${L2_ROUNDS:-2}; r++)); do
-      for v in 0 1; do
-        PEAGLE_L2_PREFETCH=$v timeout 120 python3 benchmarks/profile_step.py --graphs-only --skip-draft ${L2_PROFILE_ARGS:-} \
-          --out "/tmp/l2/prefetch${v}_$r" 2>&1 | grep -v "^USDT\|^STAGE" | sed "s/^/prefetch=$v round $r: /" | tail -n 3
-      done
-    done
-    tar czf "$OUT/l2.tgz" -C /tmp l2
-    timeout "${L2_TESTS_TIMEOUT:-150}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=10 \
-      tests/test_kernels_prefetch.py tests/test_graphs.py -k "prefetch and not PEAGLE_PDL" > "$OUT/gpu_tests.log" 2>&1
-    grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.log" | tail -n 12
-    [ "${L2_BENCH:-1}" = 0 ] || timeout 200 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tail -n 30
     ;;
   skinny)  # one H200: the attention projections at decode sizes, cuBLAS against the skinny Triton GEMM's launch shapes
     timeout "${SKINNY_TIMEOUT:-150}" python3 benchmarks/skinny_linear.py --out "$OUT" 2>&1 | tail -n 12

@@ -12,7 +12,6 @@ from torch import nn
 
 from kernels.attention import paged_attention, varlen_attention
 from kernels.linear import linear
-from kernels.prefetch import prefetch_l2
 from kernels.norm import add_rms_norm
 from kernels.rope import apply_rope, rope_write_kv
 
@@ -180,13 +179,10 @@ class Attention(nn.Module):
         if meta.block_tables is not None:
             # Rotation and the K/V store in one kernel (on the GPU one launch instead of two per layer).
             k_cache, v_cache = self.kv_cache
-            # In a decode graph the o weight streams into L2 beside rope and attention (kernels/prefetch.py)
-            join = prefetch_l2(self.o_proj.weight, T)
             cos, sin = self.rotary.cos_sin_for(meta.positions, q.dtype)
             q, k = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 meta.positions, self.sinks, self.sliding_window, self.scale)
-            join()
             return linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias)
         q, k = self.rotary(q, k, meta.positions)
         if meta.attn_mask is not None:
