@@ -6,7 +6,6 @@ For GPT-OSS-20B's q/k/v (N 5120, K 2880) and o (N 2880, K 4096) projections, wit
 target's, at M = 1, 8, 16 rows: cuBLAS, then `linear_triton` with each launch shape of TILES (the shipped
 `SHIPPED_TILES` marked). Calls captured in a CUDA graph back to back, as a decode graph runs them,
 cycling through enough weight copies that none is read from L2; best of five replays (`moe_tiles.time_graph`).
-Shapes named `_xS` split each column tile's K over S programs (`LinearTiles.split_k`).
 Writes skinny_linear.json and skinny_linear.md (microseconds, read bandwidth, the best shape per row).
 """
 from __future__ import annotations
@@ -28,14 +27,10 @@ from kernels.triton_linear import SHIPPED_TILES, LinearTiles, linear_triton  # n
 # GPT-OSS-20B/120B attention (hidden 2880, 64 q heads and 8 kv heads of 64), the same at TP = 2, the tiny target's
 SHAPES = [("20b qkv", 5120, 2880), ("20b o", 2880, 4096), ("tp2 qkv", 2560, 2880), ("tp2 o", 2880, 2048),
           ("tiny qkv", 384, 256), ("tiny o", 256, 256)]
-# around the first sweep's best (docs/benchmarks/skinny_linear_first.md: 16 columns, K steps of 256, two warps),
-# then the same with the column tiles' K split over 2-8 programs
+# around the first sweep's best (docs/benchmarks/skinny_linear_first.md: 16 columns, K steps of 256, two warps)
 TILES = [LinearTiles(*t) for t in ((16, 256, 2, 4), (16, 256, 1, 4), (16, 256, 2, 3), (16, 256, 2, 6),
                                    (16, 512, 2, 3), (16, 512, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
-                                   (16, 128, 2, 8), (32, 256, 2, 4), (32, 512, 4, 3), (16, 256, 4, 4),
-                                   (16, 256, 2, 4, 2), (16, 256, 2, 4, 3), (16, 256, 2, 4, 4), (16, 256, 2, 4, 8),
-                                   (16, 128, 2, 4, 4), (16, 128, 2, 4, 8), (16, 256, 1, 4, 4), (16, 256, 4, 4, 4),
-                                   (32, 256, 2, 4, 4), (16, 512, 2, 3, 4))]
+                                   (16, 128, 2, 8), (32, 256, 2, 4), (32, 512, 4, 3), (16, 256, 4, 4))]
 
 
 def main() -> None:
@@ -72,7 +67,7 @@ def main() -> None:
 
 
 def _name(t: LinearTiles) -> str:
-    return f"n{t.block_n}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}" + (f"_x{t.split_k}" if t.split_k > 1 else "")
+    return f"n{t.block_n}_k{t.block_k}_w{t.num_warps}_s{t.num_stages}"
 
 
 def render(meta: dict, rows: list[dict]) -> str:

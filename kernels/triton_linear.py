@@ -19,25 +19,21 @@ from kernels.linear import SKINNY_MAX_TOKENS
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, counter_ptr, M, N, K, k_per_split,
-                          stride_xm, stride_wn, stride_ym,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-                          SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    # PDL: every program waits for the previous kernel first, so also before the arrival counter's atomic
-    if USE_PDL:  # (kernels/dispatch.py)
+                          USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    tile = tl.program_id(0)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows[:, None] * stride_xm
     w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # W^T tile [BLOCK_K, BLOCK_N]: K contiguous
-    k_lo = tl.program_id(1) * k_per_split  # this program's stretch of K (all of it without a split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
             w = tl.load(w_cols + (k0 + ks)[:, None], mask=col_ok[None, :], other=0.0)
@@ -46,62 +42,27 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, partial_ptr, counter_ptr, 
             a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
-    out_mask = row_ok[:, None] & col_ok[None, :]
-    last = True
-    if SPLIT_K > 1:
-        # Each split stores its fp32 sums; the tile's last program to arrive adds them in split order (the
-        # result does not depend on who arrives when) and stores y. Every thread's stores precede the barrier,
-        # the barrier precedes the release (one thread's atomic), so the last program's acquire sees them all.
-        tile_partials = partial_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(tile_partials + tl.program_id(1) * BLOCK_M * N, acc, mask=out_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel")
-        last = arrived == SPLIT_K - 1
-        if last:
-            tl.store(counter_ptr + tile, 0)  # the next launch counts from 0 (the kernel boundary orders it)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                acc += tl.load(tile_partials + s * BLOCK_M * N, mask=out_mask, other=0.0)
-    if last:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @dataclass(frozen=True)
 class LinearTiles:
-    """Launch shape of `_skinny_linear_kernel` (M is always one 16-row tile). `split_k`: programs sharing one
-    column tile's K (at most one a BLOCK_K step), so that a short, wide weight still has many programs in flight."""
+    """Launch shape of `_skinny_linear_kernel` (M is always one 16-row tile)."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int = 1
 
 
 # 16 output columns a program (the most programs per weight byte; 512-byte runs of each row per K step) and two
 # warps: fastest of the H200 sweep's launch shapes at every shape and M (`benchmarks/skinny_linear.py`; 20B o
 # 9.8 us against 13.0 with four warps).
-SHIPPED_TILES = LinearTiles(16, 128, 2, 4, split_k=4)
-
-# Per device, the column tiles' arrival counters of the split-K path: 0 between launches, since each tile's last
-# program resets its own. One set per device suffices because launches on a stream run one after another (the
-# engine runs its forwards on one stream).
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # Zeroed inside a capture, they would hold garbage for eager calls (the graph's memset runs only
-            # on replay). The engine warms every graph up eagerly before capturing it.
-            raise RuntimeError("linear: the first split-K skinny GEMM of this width on a device must run outside "
-                               "CUDA-graph capture (warm up first)")
-        counters = _COUNTERS[device] = torch.zeros(max(tiles, 1024), device=device, dtype=torch.int32)
-    return counters
+SHIPPED_TILES = LinearTiles(16, 256, 2, 4)
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -120,21 +81,10 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if M == 0 or N == 0:
         return y
     t = tiles or SHIPPED_TILES
-    steps = triton.cdiv(K, t.block_k)
-    split = max(1, min(t.split_k, steps))
-    k_per_split = triton.cdiv(steps, split) * t.block_k
-    split = triton.cdiv(K, k_per_split)  # no split without K of its own
-    n_tiles = triton.cdiv(N, t.block_n)
-    if split > 1:
-        partials = torch.empty(split, 16, N, device=x.device, dtype=torch.float32)
-        counters = _arrival_counters(x.device, n_tiles)
-    else:
-        partials = counters = y  # never read
-    _skinny_linear_kernel[(n_tiles, split)](
-        x, weight, bias if bias is not None else weight, y, partials, counters, M, N, K, k_per_split,
-        x.stride(0), weight.stride(0), y.stride(0),
+    _skinny_linear_kernel[(triton.cdiv(N, t.block_n),)](
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN_K=K % t.block_k == 0,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_K=split,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(x))
     return y
 
