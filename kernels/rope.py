@@ -5,7 +5,9 @@ q [T, Hq, D] and k [T, Hkv, D] are rotated with cos/sin [T, 1, D/2] (in q's dtyp
 every product and sum rounded to x's dtype as PyTorch rounds them. Returns new tensors.
 
 `rope_write_kv` also stores the rotated k and v in the paged KV cache (`kernels.attention.write_kv_ref`): on
-the GPU one launch instead of two per attention layer of the paged (engine) path.
+the GPU one launch instead of two per attention layer of the paged (engine) path. `qkv_rope_write_kv` starts one
+step earlier, from the attention's input and its packed q/k/v weight: at decode sizes on the GPU the projection,
+the rotation and the cache write are one launch (`kernels.triton_qkv_rope`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from kernels.attention import write_kv_ref
 from kernels.dispatch import needs_grad, use_triton
+from kernels.linear import SKINNY_MAX_TOKENS, linear, linear_ref
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -45,6 +48,38 @@ def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     q_rot, k_rot = apply_rope_ref(q, k, cos, sin)
     write_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping)
     return q_rot, k_rot
+
+
+def qkv_rope_write_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                      num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_rot [T, Hq, D], k_rot [T, Hkv, D]) of x [T, H] through the packed q/k/v weight [(Hq + 2 Hkv) D, H] (and
+    bias), rotated as `apply_rope`, with k_rot and v stored in the paged caches as `rope_write_kv` stores them.
+    One launch at decode sizes on the GPU; elsewhere `linear` then `rope_write_kv`, each dispatched as usual."""
+    from kernels.triton_qkv_rope import fits
+    D = k_cache.shape[-1]
+    if (0 < x.shape[0] <= SKINNY_MAX_TOKENS and x.dim() == 2 and fits(num_heads, num_kv_heads, D)
+            and use_triton(x) and not needs_grad(x, weight, bias, cos, sin)):
+        from kernels.triton_qkv_rope import qkv_rope_write_kv_triton
+        return qkv_rope_write_kv_triton(x, weight, bias, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
+                                        slot_mapping)
+    q, k, v = _heads(linear(x, weight, bias), num_heads, num_kv_heads, D)
+    return rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def qkv_rope_write_kv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
+                          num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _heads(linear_ref(x, weight, bias), num_heads, num_kv_heads, k_cache.shape[-1])
+    return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+
+def _heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, D: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed projection [T, (Hq + 2 Hkv) D] as q [T, Hq, D], k and v [T, Hkv, D] (views)."""
+    T = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], -1)
+    return q.view(T, num_heads, D), k.view(T, num_kv_heads, D), v.view(T, num_kv_heads, D)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -19,20 +19,16 @@ from kernels.linear import SKINNY_MAX_TOKENS
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
-        tl.extra.cuda.gdc_wait()
+def skinny_tile(x_ptr, w_ptr, cols, col_ok, M, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """fp32 [BLOCK_M, len(cols)] = x[:M] @ W[cols]^T over the whole K (rows past M are zeros): each of W's rows
+    `cols` streamed once, K contiguous. Shared by the plain GEMM below and `kernels.triton_qkv_rope`."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows[:, None] * stride_xm
-    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # W^T tile [BLOCK_K, BLOCK_N]: K contiguous
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_wn  # W^T tile [BLOCK_K, n]: K contiguous
+    acc = tl.zeros([BLOCK_M, cols.shape[0]], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
@@ -42,10 +38,24 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride
             a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = skinny_tile(x_ptr, w_ptr, cols, col_ok, M, K, stride_xm, stride_wn, BLOCK_M, BLOCK_K, EVEN_K, DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+             mask=(rows < M)[:, None] & col_ok[None, :])
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 

@@ -25,7 +25,7 @@ import torch
 from kernels.dispatch import set_triton_enabled, triton_enabled
 
 TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_routing", "kernels.triton_moe", "kernels.triton_norm",
-                  "kernels.triton_rope", "kernels.triton_linear")  # dependency order
+                  "kernels.triton_rope", "kernels.triton_linear", "kernels.triton_qkv_rope")  # dependency order
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

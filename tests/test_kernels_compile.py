@@ -33,7 +33,7 @@ from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from kernels.linear import linear
 from kernels.moe import moe, moe_mxfp4, norm_and_route, route
 from kernels.norm import add_rms_norm
-from kernels.rope import apply_rope, rope_write_kv
+from kernels.rope import apply_rope, qkv_rope_write_kv, rope_write_kv
 from kernels.sampling import rejection_sample
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,6 +153,12 @@ def rope() -> None:
     apply_rope(q, k, cos, sin)
     cache = torch.zeros(2, 4, page, Hkv, D, dtype=BF16)
     rope_write_kv(q, k, v, cos, sin, cache[0], cache[1], torch.tensor([5, 6, -1]))
+    # the decode-sized projection, rotation and write in one launch: 16 q heads stand for 64 (the same
+    # divisibility; the heads only set the grid), bs 1 and 16 tokens, with the target's bias and without
+    for M, bias in ((1, True), (16, True), (1, False)):
+        n = (16 + 2 * Hkv) * D
+        qkv_rope_write_kv(randn(M, 2880), randn(n, 2880), randn(n) if bias else None, 16, Hkv,
+                          randn(M, 1, D // 2), randn(M, 1, D // 2), cache[0], cache[1], torch.arange(M))
 
 
 def attention() -> None:

@@ -96,11 +96,13 @@ def test_dispatch_takes_the_reference_outside_decode_sizes(triton_interpret, mon
         linear(x[:2], w, b)  # the decode case does reach it
 
 
-def test_attention_projections_take_the_skinny_kernel_at_decode_sizes(triton_interpret, monkeypatch):
-    """The paged attention path runs q/k/v and o through `kernels.linear` at <= 16 tokens (2 launches a layer),
-    and the prefill-sized step through cuBLAS; the model's outputs are checked against the references by the
-    models-with-Triton tests (test_kernels_norm_rope.py, test_kernels_routing.py)."""
+def test_attention_projections_take_the_skinny_kernels_at_decode_sizes(triton_interpret, monkeypatch):
+    """The paged attention path runs q/k/v through the one launch that also rotates and stores K/V
+    (`kernels.triton_qkv_rope`) and o through `kernels.linear` at <= 16 tokens (2 launches a layer), and the
+    prefill-sized step through cuBLAS and the rope kernel; the model's outputs are checked against the references by
+    the models-with-Triton tests (test_kernels_norm_rope.py, test_kernels_routing.py)."""
     import kernels.triton_linear as tlin
+    import kernels.triton_qkv_rope as tqkv
     from peagle_core.engine.model_runner import ModelRunner
     from peagle_core.loading.checkpoint import init_random_
     from peagle_core.models.gpt_oss import GptOss
@@ -112,8 +114,10 @@ def test_attention_projections_take_the_skinny_kernel_at_decode_sizes(triton_int
     init_random_(model, seed=0)
     runner = ModelRunner(model, None, "none", 0, 16, 8, 64, torch.device("cpu"), torch.float32, cfg.vocab_size)
     calls = []
-    real = tlin.linear_triton
-    monkeypatch.setattr(tlin, "linear_triton", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    real, real_qkv = tlin.linear_triton, tqkv.qkv_rope_write_kv_triton
+    monkeypatch.setattr(tlin, "linear_triton", lambda *a, **kw: calls.append(("o", a[0].shape[0])) or real(*a, **kw))
+    monkeypatch.setattr(tqkv, "qkv_rope_write_kv_triton",
+                        lambda *a, **kw: calls.append(("qkv", a[0].shape[0])) or real_qkv(*a, **kw))
     for T in (3, SKINNY_MAX_TOKENS + 4):
         calls.clear()
         meta = ForwardMeta(positions=torch.arange(T), query_start_loc=torch.tensor([0, T]),
@@ -121,7 +125,7 @@ def test_attention_projections_take_the_skinny_kernel_at_decode_sizes(triton_int
                            block_tables=torch.arange(4)[None])
         with torch.inference_mode():
             runner.target(torch.arange(T) % cfg.vocab_size, meta)
-        assert calls == ([T] * 2 * cfg.num_hidden_layers if T <= SKINNY_MAX_TOKENS else [])
+        assert calls == ([("qkv", T), ("o", T)] * cfg.num_hidden_layers if T <= SKINNY_MAX_TOKENS else [])
 
 
 # ---------------------------------------------------------------------------------------------

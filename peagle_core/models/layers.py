@@ -13,7 +13,7 @@ from torch import nn
 from kernels.attention import paged_attention, varlen_attention
 from kernels.linear import linear
 from kernels.norm import add_rms_norm
-from kernels.rope import apply_rope, rope_write_kv
+from kernels.rope import apply_rope, qkv_rope_write_kv, rope_write_kv
 
 
 @dataclass
@@ -169,6 +169,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         T = x.shape[0]
+        if meta.block_tables is not None:
+            return self._paged(x, meta)
         if self.qkv is not None:
             q, k, v = linear(x, *self.qkv).split(self.qkv_sizes, -1)
         else:
@@ -176,14 +178,6 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if meta.block_tables is not None:
-            # Rotation and the K/V store in one kernel (on the GPU one launch instead of two per layer).
-            k_cache, v_cache = self.kv_cache
-            cos, sin = self.rotary.cos_sin_for(meta.positions, q.dtype)
-            q, k = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                meta.positions, self.sinks, self.sliding_window, self.scale)
-            return linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias)
         q, k = self.rotary(q, k, meta.positions)
         if meta.attn_mask is not None:
             if meta.kv_prefix is not None:
@@ -196,6 +190,22 @@ class Attention(nn.Module):
             o = varlen_attention(q, k, v, meta.query_start_loc, meta.positions, self.sinks,
                                  self.sliding_window, self.scale, meta.max_seqlen)
         return self.o_proj(o.reshape(T, -1))
+
+    def _paged(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
+        """The engine's path: q/k/v, their rotation and the K/V store (at decode sizes on the GPU one kernel,
+        `kernels.rope.qkv_rope_write_kv`), attention over the paged cache, then o."""
+        T = x.shape[0]
+        k_cache, v_cache = self.kv_cache
+        cos, sin = self.rotary.cos_sin_for(meta.positions, x.dtype)
+        if self.qkv is not None:
+            q, _ = qkv_rope_write_kv(x, *self.qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
+                                     meta.slot_mapping)
+        else:  # unpacked weights (the engine packs them): project, then rotate and store in one kernel
+            q, k, v = (p(x).view(T, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, _ = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            meta.positions, self.sinks, self.sliding_window, self.scale)
+        return linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 def pack_qkv(model: nn.Module) -> None:
