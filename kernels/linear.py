@@ -7,7 +7,8 @@ H200 (`benchmarks/skinny_linear.py`, docs/benchmarks/skinny_linear*.md), back to
 never in L2: 20B o 9.8 against cuBLAS's 11.5 us, the tiny target's projections 2.4 against 3.1 us, but 20B q/k/v
 (N 5120 > K 2880) 11.0 against 10.1 us. `takes_skinny` is that finding; larger batches are compute-shaped and
 stay with cuBLAS. (The attention layers' own q/k/v at decode sizes take neither: `kernels.rope.qkv_rope_write_kv`
-runs the skinny loop with the rotation and the KV write fused, which saves more than the 1 us it loses.) Same signature and result as `linear_ref` (`F.linear`), up to fp32 summation order.
+runs the skinny loop with the rotation and the KV write fused, which saves more than the 1 us it loses.)
+Same signature and result as `linear_ref` (`F.linear`), up to fp32 summation order.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kernels.dispatch import pdl_launch
 from kernels.triton_linear import SHIPPED_TILES, skinny_tile
-from kernels.triton_rope import _rounded, check_write_kv
+from kernels.triton_rope import rounded, check_write_kv
 
 PIECE = 8  # dims of a head's half a program rotates: with their partners, 16 columns, one tl.dot tile
 
@@ -55,8 +55,8 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_out, k_out, k_cach
     if head < Hq + Hkv:
         cos = tl.load(cos_ptr + t * sc_t + d * sc_d, mask=row_ok, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t * ss_t + d * ss_d, mask=row_ok, other=0.0).to(tl.float32)
-        o1 = (_rounded(x1 * cos, dt) - _rounded(x2 * sin, dt)).to(dt)
-        o2 = (_rounded(x2 * cos, dt) + _rounded(x1 * sin, dt)).to(dt)
+        o1 = (rounded(x1 * cos, dt) - rounded(x2 * sin, dt)).to(dt)
+        o2 = (rounded(x2 * cos, dt) + rounded(x1 * sin, dt)).to(dt)
     else:  # v: no rotation
         o1, o2 = x1.to(dt), x2.to(dt)
     if head < Hq:
@@ -98,6 +98,13 @@ def qkv_rope_write_kv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     T, K = x.shape
     D = k_cache.shape[-1]
     half = D // 2
+    n = (num_heads + 2 * num_kv_heads) * D
+    if weight.shape != (n, K) or weight.stride(-1) != 1 or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"qkv_rope_write_kv: x {tuple(x.shape)} needs a packed weight [{n}, {K}] (contiguous rows) "
+                         f"and bias [{n}], got {tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}")
+    if cos.shape != (T, 1, half) or sin.shape != cos.shape or not x.dtype == weight.dtype == cos.dtype == sin.dtype:
+        raise ValueError(f"qkv_rope_write_kv: cos/sin must be [{T}, 1, {half}] in x's dtype {x.dtype}, got "
+                         f"{tuple(cos.shape)} {cos.dtype} and {tuple(sin.shape)} {sin.dtype} (weight {weight.dtype})")
     q_out = x.new_empty(T, num_heads, D)
     k_out = x.new_empty(T, num_kv_heads, D)
     check_write_kv(k_out, k_out, k_cache, v_cache, slot_mapping)

@@ -25,7 +25,7 @@ from kernels.dispatch import pdl_launch
 
 
 @triton.jit
-def _rounded(v, dtype: tl.constexpr):
+def rounded(v, dtype: tl.constexpr):
     return v.to(dtype).to(tl.float32)
 
 
@@ -41,8 +41,8 @@ def _rotate_heads(x_ptr, out_ptr, H, HALF, stride_h, stride_d, cos, sin,
     x1 = tl.load(src, mask=inside, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF * stride_d, mask=inside, other=0.0).to(tl.float32)
     dt: tl.constexpr = out_ptr.dtype.element_ty
-    o1 = (_rounded(x1 * cos, dt) - _rounded(x2 * sin, dt)).to(dt)
-    o2 = (_rounded(x2 * cos, dt) + _rounded(x1 * sin, dt)).to(dt)
+    o1 = (rounded(x1 * cos, dt) - rounded(x2 * sin, dt)).to(dt)
+    o2 = (rounded(x2 * cos, dt) + rounded(x1 * sin, dt)).to(dt)
     dst = out_ptr + h * (2 * HALF) + d
     tl.store(dst, o1, mask=inside)
     tl.store(dst + HALF, o2, mask=inside)

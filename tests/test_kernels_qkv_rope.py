@@ -96,6 +96,16 @@ def test_outside_decode_sizes_the_two_launches_run(triton_interpret, monkeypatch
         qkv_rope_write_kv(x, w, b, 8, 2, cos, sin, *caches, slots)
 
 
+def test_bad_shapes_are_refused(triton_interpret):
+    x, w, b, cos, sin, caches, slots = _inputs(3, 64, 4, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="packed weight"):
+        qkv_rope_write_kv(x, w[:-32], b, 4, 2, cos, sin, *caches, slots)
+    with pytest.raises(ValueError, match="cos/sin"):
+        qkv_rope_write_kv(x, w, b, 4, 2, cos[:2], sin[:2], *caches, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qkv_rope_write_kv(x, w, b, 4, 2, cos, sin, *caches, slots[:2])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, SKINNY_MAX_TOKENS])
 def test_compiled_one_launch_bf16_at_the_20b_shape(triton_cuda, pdl, T):
