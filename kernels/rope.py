@@ -17,6 +17,10 @@ from kernels.attention import write_kv_ref
 from kernels.dispatch import needs_grad, use_triton
 from kernels.linear import SKINNY_MAX_TOKENS, linear, linear_ref
 
+# Dims of a head's half one program of the fused q/k/v kernel rotates (with their partners, 16 columns: one tl.dot
+# tile): it covers heads whose half is a whole number of them (GPT-OSS's 64 and the tiny pair's 32 dims).
+QKV_ROPE_PIECE = 8
+
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +60,9 @@ def qkv_rope_write_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """(q_rot [T, Hq, D], k_rot [T, Hkv, D]) of x [T, H] through the packed q/k/v weight [(Hq + 2 Hkv) D, H] (and
     bias), rotated as `apply_rope`, with k_rot and v stored in the paged caches as `rope_write_kv` stores them.
     One launch at decode sizes on the GPU; elsewhere `linear` then `rope_write_kv`, each dispatched as usual."""
-    from kernels.triton_qkv_rope import fits
     D = k_cache.shape[-1]
-    if (0 < x.shape[0] <= SKINNY_MAX_TOKENS and x.dim() == 2 and fits(num_heads, num_kv_heads, D)
-            and use_triton(x) and not needs_grad(x, weight, bias, cos, sin)):
+    if (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_TOKENS and D % (2 * QKV_ROPE_PIECE) == 0
+            and not needs_grad(x, weight, bias, cos, sin)):
         from kernels.triton_qkv_rope import qkv_rope_write_kv_triton
         return qkv_rope_write_kv_triton(x, weight, bias, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
                                         slot_mapping)

@@ -21,10 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import pdl_launch
+from kernels.rope import QKV_ROPE_PIECE as PIECE  # dims of a head's half a program rotates
 from kernels.triton_linear import SHIPPED_TILES, skinny_tile
-from kernels.triton_rope import rounded, check_write_kv
-
-PIECE = 8  # dims of a head's half a program rotates: with their partners, 16 columns, one tl.dot tile
+from kernels.triton_rope import check_write_kv, rounded
 
 
 @triton.jit
@@ -87,11 +86,6 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, q_out, k_out, k_cach
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
-def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel covers this attention's shape: each head's half a whole number of PIECEs."""
-    return head_dim % (2 * PIECE) == 0 and num_heads > 0 and num_kv_heads > 0
-
-
 def qkv_rope_write_kv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_heads: int,
                              num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,4 +116,4 @@ def qkv_rope_write_kv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return q_out, k_out
 
 
-__all__ = ["qkv_rope_write_kv_triton", "fits"]
+__all__ = ["qkv_rope_write_kv_triton"]

@@ -209,8 +209,8 @@ def test_paged_attention_layer_with_fused_rope_write_matches_the_references(trit
     """The wiring in `Attention.forward`'s paged path: kernels on (interpreted) and off give the same caches and
     the same output. Two requests (a prefill from 0, a continuation over cached keys) and a padding token (slot
     -1). The caches agree to fp32 rounding, not bit for bit: with kernels on, the q/k/v projection of these 9
-    tokens is the skinny Triton GEMM (`kernels.linear`), which sums in another order than `F.linear`; slots
-    no token writes stay bit-identical."""
+    tokens runs the skinny Triton GEMM's loop (in `kernels.triton_qkv_rope`, with the rotation and the write),
+    which sums in another order than `F.linear`; slots no token writes stay bit-identical."""
     torch.manual_seed(0)
     hq, hkv, d, page = 4, 2, 16, 16
     rotary = Rotary([1.0 / 10000 ** (2 * j / d) for j in range(d // 2)])

@@ -13,7 +13,7 @@ from torch import nn
 from kernels.attention import paged_attention, varlen_attention
 from kernels.linear import linear
 from kernels.norm import add_rms_norm
-from kernels.rope import apply_rope, qkv_rope_write_kv, rope_write_kv
+from kernels.rope import apply_rope, qkv_rope_write_kv
 
 
 @dataclass
@@ -197,12 +197,10 @@ class Attention(nn.Module):
         T = x.shape[0]
         k_cache, v_cache = self.kv_cache
         cos, sin = self.rotary.cos_sin_for(meta.positions, x.dtype)
-        if self.qkv is not None:
-            q, _ = qkv_rope_write_kv(x, *self.qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
-                                     meta.slot_mapping)
-        else:  # unpacked weights (the engine packs them): project, then rotate and store in one kernel
-            q, k, v = (p(x).view(T, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
-            q, _ = rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        if self.qkv is None:  # the engine packs every layer up front; a layer used here alone packs now
+            self.pack_qkv()
+        q, _ = qkv_rope_write_kv(x, *self.qkv, self.num_heads, self.num_kv_heads, cos, sin, k_cache, v_cache,
+                                 meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                             meta.positions, self.sinks, self.sliding_window, self.scale)
         return linear(o.reshape(T, -1), self.o_proj.weight, self.o_proj.bias)
