@@ -66,6 +66,12 @@ SWITCHBACK_NOTE = ("Switchback: at each level the policies took turns of {} step
                    "policy's own turns: their output tokens over their wall time, the first {} steps of each turn not "
                    "counted (they verify drafts made to the previous policy's depth). No TPOT: a request's tokens span "
                    "several policies' turns. A round is one engine build; the rounds' spread is between builds.")
+PAIRED_NOTE = ("Paired episodes: at each level, after an untimed warm-up wave, {} episodes; in each, every policy (in an "
+               "order drawn afresh) ran the same workload from an idle engine: the same prompts and output lengths, "
+               "{} requests at concurrency C in a closed loop. Greedy speculation is lossless and the lengths are "
+               "fixed (ignore_eos), so every policy emitted the same tokens, and a cell is its episodes' tokens over "
+               "their wall time (ramp and drain included, the same workload for every policy). TPOT: the mean of the "
+               "episodes' means. A round is one engine build; the rounds' spread is between builds.")
 FIXED_DEFAULT = (1, 3, 5, 7)
 POLICIES_DEFAULT = ("none", "K1", "K3", "K5", "K7", "adaptive", "batch_table", "ema_tiers")
 BAR_FRACTION = 0.97  # issue 10: adaptive >= 0.97 x the best fixed K at every concurrency
@@ -200,6 +206,13 @@ class AcceptanceReplay:
     def install(self, runner) -> "AcceptanceReplay":
         wrap_execute(runner, self.apply)
         return self
+
+    def restart(self, first_slot: int) -> None:
+        """The next request takes trace `first_slot`, the ones after it the traces after that (`run_paired`: every
+        policy's run of an episode replays the same traces for the same requests)."""
+        self.slot.clear()
+        self.cursor.clear()
+        self.first_slot = first_slot
 
     def run_length(self, request_id: str) -> int:
         """The next recorded run of this request's trace (requests take traces round-robin by arrival)."""
@@ -574,6 +587,46 @@ def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slic
     return got
 
 
+def run_paired(engine, policies: dict[str, Any], prompts: list, C: int, episodes: int, waves: int, max_tokens: int,
+               seed: int, min_requests: int = 0, tag: str = "e",
+               restart: Callable[[int], None] | None = None) -> dict[str, dict[str, Any]]:
+    """`episodes` workloads at concurrency C on one engine, each run by every policy in turn (the order drawn afresh
+    each episode) from an idle engine: the same prompts (the list rotated by one workload's requests an episode)
+    and the same output lengths (`run_level` with the episode's seed). Each policy is charged its own episodes'
+    tokens and wall time.
+
+    Paired, where `run_switchback` is not: in its turns at 1-4 requests a policy served two or three requests, and
+    acceptance differs by prompt, so the policies' tokens a step differed by up to 16% either way (the tiny pair
+    on an H200, docs/adaptive.md); here every policy serves the same requests and emits the same tokens, so the
+    ratio of two cells is the ratio of their times. Short episodes in a shuffled order keep what the switchback
+    gave: every policy runs at every moment's host speed. The policies keep their state across episodes.
+    `restart(first)` runs before each policy's run (`AcceptanceReplay.restart`: the same replayed acceptance for
+    the same requests; requests are admitted in the workload's order whatever the policy)."""
+    from peagle_core.engine.types import SpecDecodeStats
+
+    order, names = random.Random(seed + 1), list(policies)
+    n = max(C * waves, min_requests)
+    got = {p: {"tokens": 0, "seconds": 0.0, "steps": 0, "host_seconds": 0.0, "tpots": [], "requests": 0,
+               "stats": SpecDecodeStats()} for p in names}
+    for e in range(episodes):
+        shift = e * n % len(prompts)
+        workload = prompts[shift:] + prompts[:shift]
+        for p in order.sample(names, len(names)):
+            engine.policy, engine.stats, g = policies[p], got[p]["stats"], got[p]
+            if restart is not None:
+                restart(e * n)
+            r = run_level(engine, workload, C, waves, max_tokens, seed + e, tag=f"{tag}{e}-{p}-",
+                          min_requests=min_requests)
+            g["tokens"] += r["output_tokens"]
+            g["seconds"] += r["wall_s"]
+            g["steps"] += r["steps"]
+            g["host_seconds"] += r["host_ms_per_step"] * r["steps"] / 1e3
+            g["requests"] += r["requests"]
+            if r["tpot_ms_mean"] is not None:
+                g["tpots"].append(r["tpot_ms_mean"])
+    return got
+
+
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -718,14 +771,19 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     fixed = fixed_ks(a.policies) or list(FIXED_DEFAULT)
     max_k = max(fixed)
     other = [p for p in a.policies if fixed_policy(p) is None and p not in ("adaptive", "adaptive_level")]
-    if (a.shared_engine or a.switchback) and other:
-        flag = "--switchback" if a.switchback else "--shared-engine"
+    if (a.shared_engine or a.switchback or a.paired) and other:
+        flag = "--switchback" if a.switchback else "--paired" if a.paired else "--shared-engine"
         raise ValueError(f"{flag} runs K<k> and adaptive policies, not {', '.join(other)}")
     if a.switchback and (a.switchback <= SWITCH_BURN_IN or a.switchback_cycles < 1):
         raise ValueError(f"--switchback needs more than {SWITCH_BURN_IN} steps a turn and at least one cycle")
-    if a.switchback and a.resume:
-        raise ValueError("--switchback measures a level's policies together: it cannot resume single cells")
-    a.shared_engine = a.shared_engine or bool(a.switchback)  # one engine a round: the report pairs by round
+    if a.paired and a.switchback:
+        raise ValueError("--paired and --switchback are two ways of measuring a level's policies together: give one")
+    if a.paired < 0:
+        raise ValueError("--paired needs a number of episodes")
+    turns = "--switchback" if a.switchback else "--paired"
+    if (a.switchback or a.paired) and a.resume:
+        raise ValueError(f"{turns} measures a level's policies together: it cannot resume single cells")
+    a.shared_engine = a.shared_engine or bool(a.switchback or a.paired)  # one engine a round: paired by round
     trace = Trace.load(a.replay) if a.replay else None
     models = build_models(a.shape, a.mode, device, getattr(torch, dtype_name), a.seed, a.pair)
     max_len = a.prompt_len + 2 * a.max_tokens + 2 * max_k + 64 if a.prompts == "random" else 2048
@@ -768,9 +826,10 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         started = time.perf_counter()
     table = batch_table
     shared = None  # --shared-engine: (round, engine, replay, its adaptive policy as built)
-    if a.switchback:
-        cells += switchback_cells(a, order, models, max_k, open_engine, release, lambda: prompts, started, out, log)
-    for rnd, policy, levels in run_order(order, a.concurrency, a.rounds if not a.switchback else 0, a.shared_engine):
+    together = bool(a.switchback or a.paired)  # a level's policies measured together on one engine a round
+    if together:
+        cells += together_cells(a, order, models, max_k, open_engine, release, lambda: prompts, started, out, log)
+    for rnd, policy, levels in run_order(order, a.concurrency, a.rounds if not together else 0, a.shared_engine):
         todo = [C for C in levels if (policy, C, rnd) not in done]
         if not todo:
             continue
@@ -840,7 +899,11 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
               "warmup_steps": a.warmup_steps, "warm_policy": a.warm_policy, "shared_engine": a.shared_engine,
               "switchback": ({"slice_steps": a.switchback, "cycles": a.switchback_cycles, "burn_in": SWITCH_BURN_IN}
                              if a.switchback else None),
-              "notes": [SWITCHBACK_NOTE.format(a.switchback, a.switchback_cycles, SWITCH_BURN_IN)] if a.switchback else [],
+              "paired": ({"episodes": a.paired, "waves": a.waves, "min_requests": a.min_requests}
+                         if a.paired else None),
+              "notes": ([SWITCHBACK_NOTE.format(a.switchback, a.switchback_cycles, SWITCH_BURN_IN)] if a.switchback
+                        else [PAIRED_NOTE.format(a.paired, f"max({a.waves} x C, {a.min_requests})")] if a.paired
+                        else []),
               "acceptance": ({"replay": str(a.replay), "trace": (trace.source if trace else None),
                               "trace_acceptance_length_at_K": trace.acceptance_length() if trace else None}
                              if trace else "real (the model's own drafts)"),
@@ -851,20 +914,22 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     return result
 
 
-def switchback_cells(a: argparse.Namespace, order: list[str], models: "Models", max_k: int, open_engine, release,
-                     prompts, started: float, out: Path, log) -> list[dict[str, Any]]:
-    """--switchback: per round one depth-K engine; at each level a warm-up wave, then every policy in turns of
-    `a.switchback` steps (`run_switchback`). One cell per policy and level, as the other modes write them (no
-    TPOT: a request's tokens span several policies' slices)."""
+def together_cells(a: argparse.Namespace, order: list[str], models: "Models", max_k: int, open_engine, release,
+                   prompts, started: float, out: Path, log) -> list[dict[str, Any]]:
+    """--switchback / --paired: per round one depth-K engine; at each level a warm-up wave, then every policy in
+    turns of `a.switchback` steps (`run_switchback`) or in `a.paired` episodes of the same workload
+    (`run_paired`). One cell per policy and level, as the other modes write them (no TPOT in turns: a request's
+    tokens span several policies' slices)."""
+    how = "(switchback)" if a.switchback else "(paired)"
     from peagle_core.spec.depth import FixedDepth
 
     cells = []
     for rnd in range(a.rounds):
         release()
-        engine, _ = open_engine(policy_spec("adaptive", models, max_k, None))
+        engine, replay = open_engine(policy_spec("adaptive", models, max_k, None))
         built = copy.deepcopy(engine.policy)
-        log(f"[sweep] switchback engine built (K={engine.K}, round {rnd + 1}/{a.rounds}): {', '.join(order)} "
-            f"take turns of {a.switchback} steps")
+        log(f"[sweep] {how[1:-1]} engine built (K={engine.K}, round {rnd + 1}/{a.rounds}): {', '.join(order)} "
+            + (f"take turns of {a.switchback} steps" if a.switchback else f"run {a.paired} episodes each"))
 
         def fresh(p: str):  # the policy's start-up state on this round's engine
             if (f := fixed_policy(p)) is not None:
@@ -885,22 +950,28 @@ def switchback_cells(a: argparse.Namespace, order: list[str], models: "Models", 
                     run_level(engine, prompts(), C, 1, max(2, a.warmup_steps), a.seed + 1, tag=f"warmup-{p}-")
                 if not a.warm_policy:
                     policies[p] = fresh(p)
-            got = run_switchback(engine, policies, prompts(), C, a.switchback, a.switchback_cycles, a.max_tokens,
-                                 a.seed + 97 * rnd + C, burn_in=SWITCH_BURN_IN)
+            seed = a.seed + 97 * rnd + C
+            if a.switchback:
+                got = run_switchback(engine, policies, prompts(), C, a.switchback, a.switchback_cycles, a.max_tokens,
+                                     seed, burn_in=SWITCH_BURN_IN)
+            else:
+                got = run_paired(engine, policies, prompts(), C, a.paired, a.waves, a.max_tokens, seed,
+                                 a.min_requests, restart=replay.restart if replay else None)
             for p in order:
                 g = got[p]
                 engine.policy, engine.stats = policies[p], g["stats"]
                 cell = {"policy": p, "concurrency": C, "round": rnd, "K": engine.K, "status": "ok",
                         "spec": {**policy_spec("adaptive", models, max_k, None), "shared_engine_policy": p},
                         "replayed_verify_steps": None, "throughput_tok_s": g["tokens"] / max(g["seconds"], 1e-12),
-                        "tpot_ms_mean": None, "tpot_ms_p50": None, "tpot_ms_p90": None, "requests": None,
+                        "tpot_ms_mean": statistics.fmean(g["tpots"]) if g.get("tpots") else None,
+                        "tpot_ms_p50": None, "tpot_ms_p90": None, "requests": g.get("requests"),
                         "output_tokens": g["tokens"], "steps": g["steps"], "wall_s": g["seconds"],
                         "window_s": g["seconds"],
                         "host_ms_per_step": 1e3 * g["host_seconds"] / g["steps"] if g["steps"] else 0.0}
                 cell.update(cell_summary(engine))
                 cells.append(cell)
                 (out / "cells" / f"{p}_c{C}_r{rnd}.json").write_text(json.dumps(cell, indent=1))
-                log(f"[sweep] {p:>11} C={C:<3} {cell['throughput_tok_s']:9.1f} tok/s  (switchback)  "
+                log(f"[sweep] {p:>11} C={C:<3} {cell['throughput_tok_s']:9.1f} tok/s  {how}  "
                     f"mean k {cell['mean_k']:.2f}  AL {cell['acceptance_length']:.2f}")
         del engine
     return cells
@@ -1263,6 +1334,11 @@ def parser() -> argparse.ArgumentParser:
                         "STEPS steps in one closed loop, each charged its own slices' tokens and time: the host's "
                         "drift over seconds, larger than the policies' differences on a host-bound engine, cancels")
     s.add_argument("--switchback-cycles", type=int, default=12, help="turns each policy takes at a level")
+    s.add_argument("--paired", type=int, default=0, metavar="EPISODES",
+                   help="one depth-K engine a round; at each level EPISODES workloads of max(waves x C, min-requests) "
+                        "requests, each run by every policy (K<k> and adaptive) in turn from an idle engine: the same "
+                        "requests and tokens for every policy, so neither the host's drift nor the prompt mix sets "
+                        "the ratios")
     s.add_argument("--warm-policy", action="store_true",
                    help="measure each level from the policy state its warm-up wave learnt (steady state at C: "
                         "a long-running server's policy has seen the load before) instead of the start-up state "

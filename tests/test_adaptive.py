@@ -175,11 +175,14 @@ def test_prompt_share_is_read_from_the_steps():
     p = budget_policy()
     # 4 requests verified 3 drafts and accepted 1 (8 tokens emitted); 4 x 4 decode tokens, the other 100 prompts
     p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 1)] * 4, 0.01, 4 * 4 + 100))
+    p.fold()  # `observe` keeps the last step for `learn` (or the next choice) to fold in
     assert p.prompts.rho == pytest.approx(100 / 8)
     p.observe(StepInfo(0, 0, 7), StepOutcome(7, [], 0.01, 50))  # a prefill-only step: prompts, nothing emitted
+    p.fold()
     assert p.prompts.rho == pytest.approx((100 * 0.9 + 50) / (8 * 0.9))
     for _ in range(60):  # no more arrivals: the prompts' share of the budget fades
         p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 1)] * 4, 0.01, 16))
+    p.fold()
     assert p.prompts.rho < 0.01
     assert p.describe()["prompt_tokens_per_output_token"] == p.prompts.rho
 

@@ -404,14 +404,19 @@ class _CountingEngine:
 
     def __init__(self):
         self.policy = self.stats = None
-        self.execute_seconds, self.ran, self.live, self.aborted = 0.0, [], {}, []
+        self.execute_seconds, self.ran, self.live, self.aborted, self.added = 0.0, [], {}, [], []
 
     def add_request(self, request_id, prompt, params):
         from types import SimpleNamespace
 
-        req = SimpleNamespace(request_id=request_id, left=params.max_tokens, finished=False)
+        req = SimpleNamespace(request_id=request_id, left=params.max_tokens, finished=False, finished_time=None,
+                              first_token_time=None, output_ids=[])
         self.live[request_id] = req
+        self.added.append((self.policy, tuple(prompt), params.max_tokens))
         return req
+
+    def has_work(self):
+        return bool(self.live)
 
     def step(self):
         from types import SimpleNamespace
@@ -451,6 +456,75 @@ def test_switchback_takes_turns_and_charges_each_policy_its_own_turns():
         assert got[name]["tokens"] == 3 * 8 * (4 - 1)  # three requests in flight at every step, one token each
         assert got[name]["seconds"] > 0 and got[name]["host_seconds"] <= got[name]["seconds"]
     assert len(engine.aborted) == 3 and not engine.live
+
+
+def test_paired_episodes_give_every_policy_the_same_workload_in_a_shuffled_order():
+    """Each episode is one workload (prompts and output lengths) that every policy runs from an idle engine, in an
+    order drawn afresh each episode; each policy is charged its own episodes, and the episodes differ (the prompt
+    list rotates), so every policy sees every prompt and the same tokens."""
+    engine = _CountingEngine()
+    policies = {"K1": "p1", "K3": "p3", "adaptive": "pa"}
+    prompts = [[i] for i in range(10)]
+    restarts: list[int] = []
+    got = S.run_paired(engine, policies, prompts, C=2, episodes=6, waves=2, max_tokens=6, seed=0,
+                       restart=restarts.append)
+    assert restarts == [4 * e for e in range(6) for _ in policies]  # each run replays its requests' own traces
+    per_episode = len(policies) * 4  # every policy, 2 x C requests each
+    assert len(engine.added) == 6 * per_episode and not engine.live
+    episodes = [engine.added[i:i + per_episode] for i in range(0, len(engine.added), per_episode)]
+    firsts = []
+    for ep in episodes:
+        runs = [ep[i:i + 4] for i in range(0, per_episode, 4)]
+        assert sorted(r[0][0] for r in runs) == ["p1", "p3", "pa"]  # each policy once an episode
+        assert all({x[0] for x in r} == {r[0][0]} for r in runs)   # a run is one policy's alone
+        assert len({tuple(x[1:] for x in r) for r in runs}) == 1    # the same prompts and lengths for each
+        firsts.append(runs[0][0][0])
+    assert len(set(firsts)) > 1  # the order is drawn afresh
+    assert len({ep[0][1] for ep in episodes}) > 1  # and the workloads differ between episodes
+    tokens = {name: got[name]["tokens"] for name in policies}
+    # each request emits its length: every policy the same tokens, those of its own requests
+    assert set(tokens.values()) == {sum(x[2] for ep in episodes for x in ep[:4])}
+    for name in policies:
+        assert got[name]["requests"] == 6 * 4 and got[name]["seconds"] > 0
+        assert got[name]["host_seconds"] <= got[name]["seconds"]
+
+
+def test_a_restarted_replay_gives_the_next_requests_the_same_traces_again():
+    trace = S.Trace(3, [{"id": f"t{i}", "steps": [[3, i % 4], [3, 3]]} for i in range(5)])
+    replay = S.AcceptanceReplay(trace, K=3)
+    first = [replay.run_length(f"a{i}") for i in range(3)] + [replay.run_length("a0")]
+    replay.restart(0)
+    assert [replay.run_length(f"b{i}") for i in range(3)] + [replay.run_length("b0")] == first
+    replay.restart(2)
+    assert replay.run_length("c0") == first[2]
+
+
+def test_paired_sweep_builds_one_engine_a_round_and_writes_a_cell_per_policy(tmp_path, capsys):
+    out = tmp_path / "paired"
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--max-tokens", "8", "--prompt-len", "8", "--policies", "K1,K3,adaptive", "--rounds", "2",
+                 "--paired", "2", "--waves", "2", "--warmup-steps", "3", "--out", str(out)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert err.count("paired engine built") == 2 and "engine built in" not in err
+    res = json.loads((out / "sweep.json").read_text())
+    assert res["shared_engine"] is True and res["paired"] == {"episodes": 2, "waves": 2, "min_requests": 0}
+    by = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
+    assert set(by) == {(p, r) for p in ("K1", "K3", "adaptive") for r in (0, 1)}
+    for c in by.values():
+        assert c["requests"] == 2 * 2 * 2 and c["tpot_ms_mean"] > 0
+        assert c["throughput_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
+    for r in (0, 1):  # the same workload for every policy of a round
+        assert len({c["output_tokens"] for c in by.values() if c["round"] == r}) == 1
+    assert by[("K1", 0)]["mean_k"] == 1.0
+    md = (out / "sweep.md").read_text()
+    assert "Paired episodes: at each level" in md and "Paired by round" in md
+    for bad, says in ((["--paired", "2", "--switchback", "4"], "give one"), (["--paired", "2", "--resume"],
+                                                                                 "cannot resume")):
+        rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                     "--policies", "K1,adaptive", *bad, "--out", str(tmp_path / "bad")])
+        err = capsys.readouterr().err
+        assert rc != 0 and says in err and "engine built" not in err
 
 
 def test_switchback_sweep_builds_one_engine_a_round_and_writes_a_cell_per_policy(tmp_path, capsys):

@@ -228,8 +228,10 @@ def test_a_prefill_only_step_leaves_the_acceptance_estimate_alone():
     p = AdaptiveDepth(7, StepGrid({1: [5.0 + k for k in range(8)]}))
     for _ in range(5):
         p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 2)] * 4, 8.0, 16))
+    p.fold()  # `observe` keeps the last step for `learn` (or the next choice) to fold in
     reached, accepted = list(p.acceptance.reached), list(p.acceptance.accepted)
     p.observe(StepInfo(0, 128, 7), StepOutcome(7, [], 9.0, 128))
+    p.fold()
     assert p.acceptance.reached == reached and p.acceptance.accepted == accepted
 
 
@@ -666,6 +668,49 @@ def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_
     assert sum(a == b for a, b in zip(fresh[-200:], busy[-200:])) >= 190  # and chose as a fresh one would
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_folding_the_last_step_in_later_chooses_exactly_as_folding_it_at_once(seed):
+    """`observe` only keeps the step; `learn` (while the device runs the next one), a choice that must rank afresh
+    or `describe` folds it in. Against a policy that folds every step at once (what `observe` did before), over
+    a closed loop's changing batch sizes and demand, prompt chunks, prefill-only steps, steps where the engine did
+    and did not call `learn`, exploration and several acceptance regimes: the same k every step, the same metrics
+    at the end."""
+    import random
+
+    from peagle_core.spec.adaptive import StepGrid
+
+    def policy() -> AdaptiveDepth:
+        return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.05 * b + 0.02 * b * k * k for k in range(8)]
+                                          for b in (1, 4, 16)}))
+
+    at_once, later = policy(), policy()
+    rng = random.Random(seed)
+    ks_at_once, ks_later, drafts = [], [], 7
+    for step in range(600):
+        B = rng.choice([0, 3, 4, 5, 12, 16]) if step % 50 else 0  # 0: every request still in its prefill
+        info = StepInfo(B, 0, 7, drafts, num_requests=B + rng.choice([0, 0, 4]), token_budget=rng.choice([0, 64]))
+        k_a, k_b = at_once.choose(info), later.choose(info)
+        ks_at_once.append(k_a)
+        ks_later.append(k_b)
+        if rng.random() < 0.7:  # the device still busy after the launches: the engine calls `learn`
+            at_once.learn()
+            later.learn()
+        v = min(k_a, info.verifiable)
+        rate = (0.2, 0.6, 0.9)[(step // 200) % 3]
+        runs = [next(a for a in range(v + 1) if a == v or rng.random() > rate) for _ in range(B)]
+        prompt = rng.choice([0, 0, 0, 24])
+        seconds = (at_once.times.step(max(B, 1), v) if B else 0.5) * rng.uniform(0.8, 1.25)
+        outcome = StepOutcome(v, [(v, a) for a in runs] if v else [], seconds, B * (1 + v) + prompt, drafted=k_a)
+        at_once.observe(info, outcome)
+        at_once.fold()
+        later.observe(info, outcome)
+        drafts = k_a
+    assert ks_later == ks_at_once
+    assert len(set(ks_at_once)) >= 3  # the choices did move: the comparison is not between two constants
+    assert later.describe() == at_once.describe()
+    assert later.times.rows == at_once.times.rows and later.times.shape == at_once.times.shape
+
+
 def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order():
     """A step with prompt tokens is host-bound, so the engine does not call `learn` in it; its `observe` must not
     learn the decode step before it either (that put ~30 us on such a step's critical path on the H200). The times
@@ -689,15 +734,18 @@ def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order(
     step(p, 4, 0, 2.0)          # a decode step: its time waits for `learn`
     step(p, 4, 32, 3.0)         # prompt steps: nothing learnt on their critical path
     step(p, 4, 32, 3.5)
+    p.fold()                    # the last step, kept by `observe`: folding a prompt step learns nothing either
     assert seen == [] and [t[2] for t in p.unlearnt] == [2.0, 3.0, 3.5]
     p.learn()                   # the next step, on the device: all three, oldest first
     assert [t[2] for t in seen] == [2.0, 3.0, 3.5] and p.unlearnt == []
     step(p, 4, 0, 2.5)
-    step(p, 4, 0, 2.6)          # no `learn` between two decode steps: the first is learnt in the second's observe
+    step(p, 4, 0, 2.6)          # no `learn` between two decode steps: the first is learnt when the second is folded
+    p.fold()
     assert [t[2] for t in seen] == [2.0, 3.0, 3.5, 2.5]
     p, seen = policy()
     for _ in range(3 * MAX_UNLEARNT):
         step(p, 4, 32, 3.0)
+    p.fold()
     assert len(p.unlearnt) <= MAX_UNLEARNT and len(seen) + len(p.unlearnt) == 3 * MAX_UNLEARNT
 
 

@@ -507,6 +507,7 @@ class AdaptiveDepth(DepthPolicy):
         self._demand = (0, 0)  # the last choice's (requests, token budget): what `learn` ranks for
         self._prepared_next = False  # `learn` prepared them during the step now being observed
         self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
+        self._step: tuple | None = None  # the last step observed, not folded in yet (`observe`, `fold`)
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
@@ -588,13 +589,15 @@ class AdaptiveDepth(DepthPolicy):
         verifiable = min(info.verifiable, K)
         demand = (info.num_requests, info.token_budget)
         r = self.prepared.get(info.num_verify) if not info.num_prefill_tokens and K == self.K else None
-        if r is not None and demand != self._demand and (
-                r.sustained is not None or self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None):
-            r = None  # ranked for another demand, and the budget binds for one of them
+        if r is not None and demand != self._demand:
+            self.fold()  # the budget check reads the prompt share, which the last step moved
+            if r.sustained is not None or self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None:
+                r = None  # ranked for another demand, and the budget binds for one of them
         # ... unless that step was a large part of all the evidence (a level's first steps, where one more step
         # judged on the prior doubles a wrong early signal: tests/test_depth_policies.py); position 1 is judged
         # by every request that verifies, so its decayed count stands for the estimate's weight
-        if r is None or self.acceptance.reached[0] > (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight:
+        if r is None or self._weight() > (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight:
+            self.fold()
             r = self._rank(info.num_verify, K, info.num_prefill_tokens, demand=demand)
         self._demand = demand
         pending, self.pending = self.pending, None
@@ -627,25 +630,40 @@ class AdaptiveDepth(DepthPolicy):
         return draw < (e.near if near else e.far)
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
-        """Count the step and its acceptance now; its time teaches the step-time model at the next `learn` (or
-        observe), i.e. while the device runs the next step: it was the larger part of the policy's host time
-        per step (benchmarks/host_time.py), and the model it moves changes over tens of steps, so a choice one
-        step behind on it loses nothing. The acceptance estimate is not deferred: at a level's start one more
-        step chosen without the first steps' evidence doubles a wrong early signal (deferred too, the start-up
-        case of tests/test_depth_policies.py held k = 1 17 steps longer and failed). Nor is the tally: the
-        metrics count every step, the last one before the engine idles too.
-
-        Times not learnt yet are learnt here only after a decode step (the engine did not call `learn`: tests,
-        simulations, host-bound steps). After a step with prompt tokens (told by its token count: the engine
-        passes `num_prefill_tokens=0`, as it chooses before it schedules) they wait for the next `learn`. The
-        engine skips `learn` in those steps, whose device work ends before the host's, so learning the decode
-        step before them here put ~40 us on their critical path on the H200 (`tiny_step_trace.json`)."""
-        if is_decode_step(outcome.num_tokens, info.num_verify, outcome.k) or len(self.unlearnt) >= MAX_UNLEARNT:
-            self._learn_time()
+        """Keep the step for `fold`, which the engine's `learn` runs while the device works on the next step. The
+        choice after this step uses the ranking `learn` prepared during it, so what it needs of this step is only
+        how much acceptance evidence the step adds (`_weight`); a choice that must rank afresh (no ranking
+        prepared, another demand, a large share of new evidence) folds first, so every choice is the one an
+        immediate fold would give (tests/test_depth_policies.py). Between real engine steps this bookkeeping was
+        two thirds of the policy's host time on the critical path (benchmarks/host_time.py --device-busy: ~35
+        of 52-61 us a step on the 2-core CPU), and on the host-bound tiny pair adaptive's steps ran 15-30 us
+        longer than K7's on the H200 (docs/adaptive.md)."""
         # rankings serve the one choice after the step they were prepared during, never older ones
         self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False
-        realized, drafts = self.record(info, outcome, self.last.get("predicted_tokens_per_step"),
-                                       self.last.get("predicted_step_s"), explored=bool(self.last.get("explored")))
+        self.fold()  # `learn` did not run during this step (the device finished first): the step before, now
+        last = self.last
+        self._step = (info, outcome, last.get("predicted_tokens_per_step"), last.get("predicted_step_s"),
+                      bool(last.get("explored")))
+
+    def fold(self) -> None:
+        """Fold the step `observe` kept into the tally, the prompt share and the acceptance estimate, and queue its
+        time for the step-time model.
+
+        Times not learnt yet are learnt here only after a decode step (the engine did not call `learn`: tests,
+        simulations, host-bound steps); the model they move changes over tens of steps, so a choice one step
+        behind on it loses nothing. After a step with prompt tokens (told by its token count: the engine passes
+        `num_prefill_tokens=0`, as it chooses before it schedules) they wait for the next `learn`. The engine skips
+        `learn` in those steps, whose device work ends before the host's, so learning the decode step before them
+        on the critical path put ~40 us on it on the H200 (`tiny_step_trace.json`). The acceptance estimate is
+        never more than one step behind: a choice ranked without the steps just before it doubles a wrong early
+        signal at a level's start (deferred further, the start-up case of tests/test_depth_policies.py held
+        k = 1 17 steps longer and failed)."""
+        if self._step is None:
+            return
+        (info, outcome, predicted_tokens, predicted_s, explored), self._step = self._step, None
+        if is_decode_step(outcome.num_tokens, info.num_verify, outcome.k) or len(self.unlearnt) >= MAX_UNLEARNT:
+            self._learn_time()
+        realized, drafts = self.record(info, outcome, predicted_tokens, predicted_s, explored=explored)
         # the verifying requests fed one token each and their drafts; the rest of the step's tokens were prompts
         self.prompts.observe(max(outcome.num_tokens - info.num_verify - drafts, 0), realized)
         if not info.num_verify:
@@ -655,6 +673,15 @@ class AdaptiveDepth(DepthPolicy):
             self.unlearnt.append((outcome.num_tokens, outcome.k, outcome.step_time, info.num_verify))
         self.learnt = {"realized_tokens_per_step": realized, "measured_step_s": outcome.step_time}
 
+    def _weight(self) -> float:
+        """Position 1's decayed count of judgements (the acceptance evidence's weight) once the kept step is folded
+        in, without folding it: every request that verified a draft judged position 1."""
+        a = self.acceptance
+        if self._step is None or not self._step[0].num_verify:
+            return a.reached[0]
+        judged = sum(d > 0 for d, _ in self._step[1].accepted)
+        return a.reached[0] * (a.decay if judged else a.unjudged_decay) + judged
+
     def _learn_time(self) -> None:
         timings, self.unlearnt = self.unlearnt, []
         for timing in timings:  # in the order the steps ran
@@ -663,7 +690,8 @@ class AdaptiveDepth(DepthPolicy):
     def learn(self) -> None:
         """While the device runs a step: the step times not learnt yet into the step-time model, then the
         rankings the next choice will most likely need (this step's batch size, one request fewer or more: a
-        request finishing or one done with its prompt)."""
+        request finishing or one done with its prompt). The last step is folded in first."""
+        self.fold()
         self._learn_time()
         batch, expected = int(self.last.get("batch", 0)), self._expected()
         self.prepared = {b: self._rank(b, self.K, expected=expected, demand=self._demand)
@@ -671,5 +699,6 @@ class AdaptiveDepth(DepthPolicy):
         self._prepared_next, self._prepared_weight = True, self.acceptance.reached[0]
 
     def describe(self) -> dict[str, float]:
+        self.fold()  # the metrics count every step, the last one before the engine idles too
         return {**self.tally.as_dict(), **self.last, **self.learnt, **dict(zip(self._rate_keys, self.last_rates)),
                 "prompt_tokens_per_output_token": self.prompts.rho}
