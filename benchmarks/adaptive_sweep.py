@@ -66,12 +66,12 @@ SWITCHBACK_NOTE = ("Switchback: at each level the policies took turns of {} step
                    "policy's own turns: their output tokens over their wall time, the first {} steps of each turn not "
                    "counted (they verify drafts made to the previous policy's depth). No TPOT: a request's tokens span "
                    "several policies' turns. A round is one engine build; the rounds' spread is between builds.")
-PAIRED_NOTE = ("Paired episodes: at each level, after an untimed warm-up wave, {} episodes; in each, every policy (in an "
-               "order drawn afresh) ran the same workload from an idle engine: the same prompts and output lengths, "
-               "{} requests at concurrency C in a closed loop. Greedy speculation is lossless and the lengths are "
-               "fixed (ignore_eos), so every policy emitted the same tokens, and a cell is its episodes' tokens over "
-               "their wall time (ramp and drain included, the same workload for every policy). TPOT: the mean of the "
-               "episodes' means. A round is one engine build; the rounds' spread is between builds.")
+PAIRED_NOTE = ("Paired episodes: at each level, after an untimed warm-up wave, {} episodes; in each, every policy "
+               "(in an order drawn afresh) ran the same workload from an idle engine: the same prompts and output "
+               "lengths, {} requests at concurrency C in a closed loop. Greedy speculation is lossless and the "
+               "lengths are fixed (ignore_eos), so every policy emitted the same tokens, and a cell is its episodes'"
+               " tokens over their wall time (ramp and drain included, the same workload for every policy). TPOT: "
+               "the mean of the episodes' means. A round is one engine build; the rounds' spread is between builds.")
 FIXED_DEFAULT = (1, 3, 5, 7)
 POLICIES_DEFAULT = ("none", "K1", "K3", "K5", "K7", "adaptive", "batch_table", "ema_tiers")
 BAR_FRACTION = 0.97  # issue 10: adaptive >= 0.97 x the best fixed K at every concurrency

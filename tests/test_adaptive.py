@@ -88,7 +88,7 @@ def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     from peagle_core.spec.depth import FixedDepth
 
     grid = lambda: StepGrid({1: [1e-3, 1.2e-3], 8: [2e-3, 2.4e-3]})
-    p = AdaptiveDepth(1, grid())
+    p = AdaptiveDepth(1, grid(), rank_every=1)  # every `learn` folds the step times it holds in
     info = StepInfo(1, 0, 1)
     p.choose(info)
     p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2, timed=False))  # a 50 ms capture

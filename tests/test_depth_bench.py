@@ -499,57 +499,47 @@ def test_a_restarted_replay_gives_the_next_requests_the_same_traces_again():
     assert replay.run_length("c0") == first[2]
 
 
-def test_paired_sweep_builds_one_engine_a_round_and_writes_a_cell_per_policy(tmp_path, capsys):
-    out = tmp_path / "paired"
+@pytest.mark.parametrize("mode", ["switchback", "paired"])
+def test_a_sweep_measuring_a_levels_policies_together_builds_one_engine_a_round_and_a_cell_per_policy(
+        tmp_path, capsys, mode):
+    """--switchback (turns of steps) and --paired (episodes of one workload): one engine a round shared by the
+    policies, one cell per policy, level and round, and the report says how it was measured. Paired cells give
+    every policy of a round the same tokens and a TPOT; turns give none."""
+    flags = {"switchback": ["--switchback", "5", "--switchback-cycles", "2"],
+             "paired": ["--paired", "2", "--waves", "2"]}
+    out = tmp_path / mode
     rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
                  "--max-tokens", "8", "--prompt-len", "8", "--policies", "K1,K3,adaptive", "--rounds", "2",
-                 "--paired", "2", "--waves", "2", "--warmup-steps", "3", "--out", str(out)])
+                 *flags[mode], "--warmup-steps", "3", "--out", str(out)])
     assert rc == 0
     err = capsys.readouterr().err
-    assert err.count("paired engine built") == 2 and "engine built in" not in err
+    assert err.count(f"{mode} engine built") == 2 and "engine built in" not in err
     res = json.loads((out / "sweep.json").read_text())
-    assert res["shared_engine"] is True and res["paired"] == {"episodes": 2, "waves": 2, "min_requests": 0}
+    assert res["shared_engine"] is True
+    assert res[mode] == ({"slice_steps": 5, "cycles": 2, "burn_in": 2} if mode == "switchback"
+                         else {"episodes": 2, "waves": 2, "min_requests": 0})
     by = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
     assert set(by) == {(p, r) for p in ("K1", "K3", "adaptive") for r in (0, 1)}
     for c in by.values():
-        assert c["requests"] == 2 * 2 * 2 and c["tpot_ms_mean"] > 0
-        assert c["throughput_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
-    for r in (0, 1):  # the same workload for every policy of a round
-        assert len({c["output_tokens"] for c in by.values() if c["round"] == r}) == 1
+        assert c["K"] == 3 and c["throughput_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
+        if mode == "switchback":
+            assert c["steps"] == 2 * (5 - 2) and c["tpot_ms_mean"] is None
+        else:
+            assert c["requests"] == 2 * 2 * 2 and c["tpot_ms_mean"] > 0
+    if mode == "paired":
+        for r in (0, 1):  # the same workload for every policy of a round
+            assert len({c["output_tokens"] for c in by.values() if c["round"] == r}) == 1
     assert by[("K1", 0)]["mean_k"] == 1.0
     md = (out / "sweep.md").read_text()
-    assert "Paired episodes: at each level" in md and "Paired by round" in md
-    for bad, says in ((["--paired", "2", "--switchback", "4"], "give one"), (["--paired", "2", "--resume"],
-                                                                                 "cannot resume")):
+    says = "Switchback: at each level the policies took turns of 5 steps" if mode == "switchback" else \
+        "Paired episodes: at each level"
+    assert says in md and "Paired by round" in md
+    bad = {"switchback": [(["--switchback", "2"], "more than 2 steps a turn"),
+                          (["--switchback", "4", "--resume"], "cannot resume")],
+           "paired": [(["--paired", "2", "--switchback", "4"], "give one"), (["--paired", "2", "--resume"],
+                                                                              "cannot resume")]}
+    for args, message in bad[mode]:
         rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
-                     "--policies", "K1,adaptive", *bad, "--out", str(tmp_path / "bad")])
+                     "--policies", "K1,adaptive", *args, "--out", str(tmp_path / "bad")])
         err = capsys.readouterr().err
-        assert rc != 0 and says in err and "engine built" not in err
-
-
-def test_switchback_sweep_builds_one_engine_a_round_and_writes_a_cell_per_policy(tmp_path, capsys):
-    out = tmp_path / "switch"
-    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
-                 "--max-tokens", "8", "--prompt-len", "8", "--policies", "K1,K3,adaptive", "--rounds", "2",
-                 "--switchback", "5", "--switchback-cycles", "2", "--warmup-steps", "3", "--out", str(out)])
-    assert rc == 0
-    err = capsys.readouterr().err
-    assert err.count("switchback engine built") == 2 and "engine built in" not in err
-    res = json.loads((out / "sweep.json").read_text())
-    assert res["shared_engine"] is True and res["switchback"] == {"slice_steps": 5, "cycles": 2, "burn_in": 2}
-    by = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
-    assert set(by) == {(p, r) for p in ("K1", "K3", "adaptive") for r in (0, 1)}
-    for c in by.values():
-        assert c["K"] == 3 and c["steps"] == 2 * (5 - 2) and c["tpot_ms_mean"] is None
-        assert c["throughput_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
-    assert by[("K1", 0)]["mean_k"] == 1.0
-    md = (out / "sweep.md").read_text()
-    assert "Switchback: at each level the policies took turns of 5 steps" in md and "Paired by round" in md
-    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
-                 "--policies", "K1,adaptive", "--switchback", "2", "--out", str(tmp_path / "bad")])
-    err = capsys.readouterr().err
-    assert rc != 0 and "more than 2 steps a turn" in err and "engine built" not in err
-    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
-                 "--policies", "K1,adaptive", "--switchback", "4", "--resume", "--out", str(tmp_path / "bad")])
-    err = capsys.readouterr().err
-    assert rc != 0 and "cannot resume" in err and "engine built" not in err
+        assert rc != 0 and message in err and "engine built" not in err

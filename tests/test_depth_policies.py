@@ -637,7 +637,8 @@ def test_adaptive_predicts_the_depth_it_can_verify_and_measures_a_deeper_alterna
 
 def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_chooses_the_same():
     """The engine calls `learn` while the device runs a step; the adaptive policy ranks every k there, for the
-    batch size it just chose for and one request either side, and the next choice only looks the ranking up
+    batch size it just chose for and one request either side (one more only while requests wait to join, here
+    always), and the next choice only looks the ranking up
     (on the tiny pair's ~1 ms steps ranking in the choice cost ~5% of the throughput). A ranking that missed
     the last step's acceptance must still give the choice a fresh one would, once the estimate holds many steps."""
     import random
@@ -651,14 +652,15 @@ def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_
         calling, ks, rng = [False], [], random.Random(0)
         for step in range(300):
             B = (12, 11, 10, 11)[(step // 7) % 4]  # requests leave and join, one at a time
-            calling[0] = True
-            k = p.choose(StepInfo(B, 0, 7))
+            calling[0] = True  # 12 requests in the engine: those not verifying are in their prompts
+            k = p.choose(StepInfo(B, 0, 7, num_requests=12))
             calling[0] = False
             ks.append(k)
             if learn_while_busy:
                 p.learn()
             runs = [min(k, rng.choice([0, 1, 1, 2, 3, 7])) for _ in range(B)]
-            p.observe(StepInfo(B, 0, 7), StepOutcome(k, [(k, a) for a in runs], p.times.step(B, k), B * (1 + k)))
+            p.observe(StepInfo(B, 0, 7, num_requests=12), StepOutcome(k, [(k, a) for a in runs], p.times.step(B, k),
+                                                                      B * (1 + k)))
         return ks, in_choose
 
     fresh, ranked_fresh = run(False)
@@ -679,9 +681,9 @@ def test_folding_the_last_step_in_later_chooses_exactly_as_folding_it_at_once(se
 
     from peagle_core.spec.adaptive import StepGrid
 
-    def policy() -> AdaptiveDepth:
+    def policy() -> AdaptiveDepth:  # `learn` ranking in every step: what is compared is when a step is folded in
         return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.05 * b + 0.02 * b * k * k for k in range(8)]
-                                          for b in (1, 4, 16)}))
+                                          for b in (1, 4, 16)}), rank_every=1)
 
     at_once, later = policy(), policy()
     rng = random.Random(seed)
@@ -711,6 +713,60 @@ def test_folding_the_last_step_in_later_chooses_exactly_as_folding_it_at_once(se
     assert later.times.rows == at_once.times.rows and later.times.shape == at_once.times.shape
 
 
+def test_learn_ranks_once_in_rank_every_steps_and_a_change_in_acceptance_is_followed_within_them():
+    """On a host-bound engine `learn` outlasted the device's work (docs/adaptive.md), so in a steady state it ranks
+    and folds the step times in once in RANK_EVERY steps, the times of one shape in one update; the choices do not
+    rank in between, and when every draft starts to fail the policy leaves deep speculation at most RANK_EVERY
+    steps later than one that ranks every step."""
+    from peagle_core.spec.adaptive import RANK_EVERY, Exploration, StepGrid
+
+    def run(rank_every: int) -> tuple[list[int], list[str], list[int]]:
+        p = AdaptiveDepth(7, StepGrid({b: [1.0 + 0.1 * b + 0.01 * b * k for k in range(8)] for b in (1, 8)}),
+                          explore=Exploration.off(), rank_every=rank_every)
+        ranks, runs = [], []
+        rank, observe_run = p._rank, p.times.observe_run
+        p._rank = lambda *a, **kw: (ranks.append(tuple(where)), rank(*a, **kw))[1]
+        p.times.observe_run = lambda n, k, ts, b: (runs.append(len(ts)), observe_run(n, k, ts, b))[1]
+        where, ks = ["choose", 0], []
+        for step in range(300):
+            info = StepInfo(8, 0, 7, num_requests=8)
+            where[:] = "choose", step
+            k = p.choose(info)
+            ks.append(k)
+            where[0] = "learn"
+            p.learn()
+            accepted = k if step < 200 else 0  # every draft passes, then none does
+            p.observe(info, StepOutcome(k, [(k, accepted)] * 8, p.times.step(8, k), 8 * (1 + k)))
+        return ks, ranks, runs
+
+    ks, ranks, runs = run(RANK_EVERY)
+    assert ks[100:200] == [7] * 100
+    ks_every, ranks_every, runs_every = run(1)
+    # steady (steps 100-200; at the start the evidence grows fast and every step ranks): a ranking is for 7 and 8
+    # requests (one fewer may come next; none waits to make it one more)
+    steady = lambda rs, where: sum(1 for w, step in rs if w == where and 100 <= step < 200)
+    assert steady(ranks_every, "learn") == 2 * 100 and set(runs_every) == {1}
+    assert steady(ranks, "learn") <= 2 * (100 // RANK_EVERY + 1) and max(runs) == RANK_EVERY
+    assert steady(ranks, "choose") == 0  # the choices only look up
+    # (after ~80 steps in both: the acceptance estimate's memory, not the cadence)
+    left = next(i for i, k in enumerate(ks) if i >= 200 and k <= 1)
+    left_every = next(i for i, k in enumerate(ks_every) if i >= 200 and k <= 1)
+    assert 0 <= left - left_every <= RANK_EVERY
+
+
+def test_learn_prepares_one_more_request_only_while_requests_wait_to_join():
+    """A step verifies at most the requests in the engine now (running or waiting: a request arriving later needs its
+    prompt first), so with none waiting a batch one larger cannot come next and is not ranked for."""
+    from peagle_core.spec.adaptive import StepGrid
+
+    p = AdaptiveDepth(7, StepGrid({b: [1.0 + 0.02 * b + 0.03 * b * k for k in range(8)] for b in (1, 8, 16)}))
+    # (requests verifying, requests in the engine, batch sizes ranked for): at (1, 3) two are in their prompts
+    for batch, requests, prepared in ((8, 8, [7, 8]), (8, 9, [7, 8, 9]), (1, 1, [1]), (1, 3, [1, 2])):
+        p.choose(StepInfo(batch, 0, 7, num_requests=requests))
+        p.learn()
+        assert sorted(p.prepared) == prepared, (requests, batch)
+
+
 def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order():
     """A step with prompt tokens is host-bound, so the engine does not call `learn` in it; its `observe` must not
     learn the decode step before it either (that put ~30 us on such a step's critical path on the H200). The times
@@ -720,9 +776,9 @@ def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order(
 
     def policy() -> tuple[AdaptiveDepth, list[tuple]]:
         p = AdaptiveDepth(3, StepGrid({b: [1.0 + 0.1 * b + 0.2 * k for k in range(4)] for b in (1, 4)}))
-        seen: list[tuple] = []
-        observe = p.times.observe
-        p.times.observe = lambda *t: (seen.append(t), observe(*t))[1]
+        seen: list[tuple] = []  # (tokens, k, seconds, batch) per step learnt
+        observe = p.times.observe_run
+        p.times.observe_run = lambda n, k, ts, b: (seen.extend((n, k, t, b) for t in ts), observe(n, k, ts, b))[1]
         return p, seen
 
     def step(p, B: int, prompt: int, seconds: float) -> None:

@@ -18,6 +18,8 @@ When the step's token budget cannot hold every request at some k, the ranking is
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -160,6 +162,11 @@ class StepTimeModel:
         ratio = max(seconds - draft, 1e-6) / self.target(num_tokens)
         self.times = rescaled(self.times, ratio, self.smoothing)
 
+    def observe_run(self, num_tokens: int, k: int, times: list[float], batch: int) -> None:
+        """Several steps of one shape (`StepGrid.observe_run`), one after another."""
+        for seconds in times:
+            self.observe(num_tokens, k, seconds, batch)
+
 
 # Step times `AdaptiveDepth.observe` may leave for `learn` through a run of steps with prompt tokens.
 MAX_UNLEARNT = 16
@@ -167,6 +174,10 @@ MAX_UNLEARNT = 16
 # A ranking prepared while the device ran the last step serves the next choice unless that step added more
 # than this share to the acceptance evidence (`AdaptiveDepth.choose`).
 PREPARED_NEW_EVIDENCE = 0.1
+
+# `AdaptiveDepth.learn` ranks afresh, and folds the step times it holds into the step-time model, once in this many
+# steps (sooner for a batch size it has no ranking for): in between, the last rankings serve.
+RANK_EVERY = 4
 
 # StepGrid's shape learning (see its docstring).
 SHAPE_PRIOR = 1.0                # pseudo-observations that hold a cell's estimate toward its nearest observed neighbour
@@ -271,9 +282,11 @@ class StepGrid:
         observation (a choice reads every k of one or two rows each step)."""
         row = self._monotone[r]
         if row is None:
-            row, run = [], 0.0
-            for k in range(self.K + 1):
-                run = max(run, self.cell(r, k))
+            row, run, exp = [], 0.0, math.exp
+            for t, s in zip(self.rows[r], self.shape[r]):  # `cell(r, k)` inline: this runs on every observed step
+                c = t * exp(s)
+                if c > run:
+                    run = c
                 row.append(run)
             self._monotone[r] = row
         return row
@@ -288,24 +301,35 @@ class StepGrid:
         return out[:max_k + 1] + [out[-1]] * (max_k - self.K)
 
     def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
-        if batch <= 0 or k > self.K or not is_decode_step(num_tokens, batch, k) or seconds <= 0:
+        self.observe_run(num_tokens, k, [seconds], batch)
+
+    def observe_run(self, num_tokens: int, k: int, times: list[float], batch: int) -> None:
+        """Steps of one shape that ran one after another, in one update: the level and the cell move as far as
+        they would in that many single steps toward the run's mean (each step's ratio clipped on its own), at
+        the cost of one (`AdaptiveDepth.learn` folds a few steps in at a time: on a host-bound engine the
+        update's host time is the step's)."""
+        times = [t for t in times if t > 0]
+        if batch <= 0 or k > self.K or not is_decode_step(num_tokens, batch, k) or not times:
             return  # a step with prompt tokens in it does not measure T(B, k)
+        n = len(times)
         interpolation = self._weights(batch)
         weights = [(r, w) for r, w in interpolation if 0 < w <= 1]
         # One stalled step (a GC pause, a late compile) must not multiply a whole row: the linear update
         # below would scale a row by 1 + 0.2 (r - 1), 2.8x for a 10x stall. Halving or doubling is plenty
         # for a genuine level error to be pulled in within a few steps.
-        ratio = min(max(seconds / self.step(batch, k), 0.5), 2.0)
+        predicted = self.step(batch, k)
+        ratio = sum(min(max(t / predicted, 0.5), 2.0) for t in times) / n
         level = sum(w * self.rows[r][k] for r, w in interpolation)  # the level's prediction, before any shape
         if self.learn_shape and level > 0:
-            self._learn_shape(weights, k, math.log(seconds / level))
+            self._learn_shape(weights, k, math.log(sum(times) / n / level), n)
         for r, w in weights:
-            self.rows[r] = rescaled(self.rows[r], ratio, self.smoothing * w)
+            rate = self.smoothing * w if n == 1 else 1.0 - (1.0 - self.smoothing * w) ** n
+            self.rows[r] = rescaled(self.rows[r], ratio, rate)
             self._monotone[r] = None  # its shape (`_learn_shape`) may have moved too
         self._at.clear()
         self._batch(batch)  # now, while the device runs a step (`AdaptiveDepth.learn`), not in the next choice
 
-    def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_level_err: float) -> None:
+    def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_level_err: float, n: int = 1) -> None:
         """Fold one step's log(measured / level's prediction) into the cells (r, k) it was interpolated from.
 
         The level follows the host within a few steps, so against it a step measures how its k differs from the
@@ -316,6 +340,7 @@ class StepGrid:
         absorbed it (it fits the steps with their shape correction, which is relative to that mean): without it
         the errors of the k being run would drift to zero and take what was learnt of the others with them."""
         for r, w in weights:
+            w *= n  # a run of n steps weighs n
             err, ev = self.log_err[r], self.evidence_rows[r]
             total = sum(ev)
             log_err = log_level_err + (sum(e * x for e, x in zip(ev, err)) / total if total > 0 else 0.0)
@@ -348,22 +373,30 @@ def _relative_shape(log_err: list[float], evidence: list[float]) -> list[float]:
 
 def _neighbours(log_err: list[float], seen: list[int]) -> list[float]:
     """Per k: the log error of the observed cell (k in `seen`, ascending) nearest to k other than k itself, the
-    mean of both at equal distance (k's own if it is the only one). One pass for every k: it runs on every
-    observed step."""
+    mean of both at equal distance (k's own if it is the only one). It runs on every observed step, and which
+    cells are observed rarely changes, so the cells each k reads are worked out once per `seen`."""
+    return [log_err[a] if a == b else (log_err[a] + log_err[b]) / 2
+            for a, b in _neighbour_cells(tuple(seen), len(log_err))]
+
+
+@functools.lru_cache(maxsize=256)
+def _neighbour_cells(seen: tuple[int, ...], size: int) -> tuple[tuple[int, int], ...]:
+    """For `_neighbours`: per k the one or two cells (the same one twice if one) whose mean it takes."""
     out, i, n = [], 0, len(seen)
-    for k in range(len(log_err)):
+    for k in range(size):
         while i < n and seen[i] < k:
             i += 1  # seen[i]: the first observed cell at or after k
         j = i + 1 if i < n and seen[i] == k else i  # the first after k
         if i == 0:
-            out.append(log_err[seen[j]] if j < n else log_err[k])  # none before k (k alone: its own)
+            c = seen[j] if j < n else k  # none before k (k alone: its own)
+            out.append((c, c))
         elif j == n or k - seen[i - 1] < seen[j] - k:
-            out.append(log_err[seen[i - 1]])
+            out.append((seen[i - 1], seen[i - 1]))
         elif seen[j] - k < k - seen[i - 1]:
-            out.append(log_err[seen[j]])
+            out.append((seen[j], seen[j]))
         else:
-            out.append((log_err[seen[i - 1]] + log_err[seen[j]]) / 2)
-    return out
+            out.append((seen[i - 1], seen[j]))
+    return tuple(out)
 
 
 def rescaled(times: list[float], ratio: float, rate: float) -> list[float]:
@@ -484,7 +517,7 @@ class Exploration:
 
 class AdaptiveDepth(DepthPolicy):
     def __init__(self, K: int, times: "StepTimeModel | StepGrid", k_min: int = 0, prior: float = 0.6,
-                 explore: Exploration | None = None):
+                 explore: Exploration | None = None, rank_every: int = RANK_EVERY):
         if not 0 <= k_min <= K:
             raise ValueError(f"adaptive depth bounds must satisfy 0 <= min <= K, got {k_min}..{K}")
         self.K, self.k_min, self.times = K, k_min, times
@@ -505,9 +538,10 @@ class AdaptiveDepth(DepthPolicy):
         self.unlearnt: list[tuple[int, int, float, int]] = []  # step times not yet in the model, until `learn`
         self.prepared: dict[int, Ranking] = {}  # batch size -> ranking, worked out by `learn` for the next choice
         self._demand = (0, 0)  # the last choice's (requests, token budget): what `learn` ranks for
-        self._prepared_next = False  # `learn` prepared them during the step now being observed
+        self._prepared_next = False  # `learn` ran during the step now being observed: its rankings still serve
         self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
         self._step: tuple | None = None  # the last step observed, not folded in yet (`observe`, `fold`)
+        self.rank_every, self._ranked_ago = max(1, rank_every), 0  # `learn`'s cadence, and its calls since it ranked
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
@@ -631,25 +665,27 @@ class AdaptiveDepth(DepthPolicy):
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
         """Keep the step for `fold`, which the engine's `learn` runs while the device works on the next step. The
-        choice after this step uses the ranking `learn` prepared during it, so what it needs of this step is only
-        how much acceptance evidence the step adds (`_weight`); a choice that must rank afresh (no ranking
-        prepared, another demand, a large share of new evidence) folds first, so every choice is the one an
-        immediate fold would give (tests/test_depth_policies.py). Between real engine steps this bookkeeping was
-        two thirds of the policy's host time on the critical path (benchmarks/host_time.py --device-busy: ~35
-        of 52-61 us a step on the 2-core CPU), and on the host-bound tiny pair adaptive's steps ran 15-30 us
+        choice after this step uses the ranking `learn` prepared, so what it needs of this step is only how much
+        acceptance evidence the step adds (`_weight`); a choice that must rank afresh (no ranking prepared,
+        another demand, a large share of new evidence) folds first, so every choice is the one an immediate fold
+        would give (tests/test_depth_policies.py, with `rank_every=1`). Between real engine steps this bookkeeping
+        was two thirds of the policy's host time on the critical path (benchmarks/host_time.py --device-busy:
+        ~35 of 52-61 us a step on the 2-core CPU), and on the host-bound tiny pair adaptive's steps ran 15-30 us
         longer than K7's on the H200 (docs/adaptive.md)."""
-        # rankings serve the one choice after the step they were prepared during, never older ones
+        # rankings serve choices while `learn` runs in every step (it ranks afresh once in `rank_every`), never
+        # after a step without it: the next choice ranks with that step's evidence
         self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False
         self.fold()  # `learn` did not run during this step (the device finished first): the step before, now
         last = self.last
         self._step = (info, outcome, last.get("predicted_tokens_per_step"), last.get("predicted_step_s"),
                       bool(last.get("explored")))
 
-    def fold(self) -> None:
+    def fold(self, learn_times: bool = True) -> None:
         """Fold the step `observe` kept into the tally, the prompt share and the acceptance estimate, and queue its
         time for the step-time model.
 
-        Times not learnt yet are learnt here only after a decode step (the engine did not call `learn`: tests,
+        Times not learnt yet are learnt here (`learn_times`: not from `learn`, which has its own cadence) only
+        after a decode step (the engine did not call `learn`: tests,
         simulations, host-bound steps); the model they move changes over tens of steps, so a choice one step
         behind on it loses nothing. After a step with prompt tokens (told by its token count: the engine passes
         `num_prefill_tokens=0`, as it chooses before it schedules) they wait for the next `learn`. The engine skips
@@ -661,7 +697,8 @@ class AdaptiveDepth(DepthPolicy):
         if self._step is None:
             return
         (info, outcome, predicted_tokens, predicted_s, explored), self._step = self._step, None
-        if is_decode_step(outcome.num_tokens, info.num_verify, outcome.k) or len(self.unlearnt) >= MAX_UNLEARNT:
+        decode = is_decode_step(outcome.num_tokens, info.num_verify, outcome.k)
+        if (learn_times and decode) or len(self.unlearnt) >= MAX_UNLEARNT:
             self._learn_time()
         realized, drafts = self.record(info, outcome, predicted_tokens, predicted_s, explored=explored)
         # the verifying requests fed one token each and their drafts; the rest of the step's tokens were prompts
@@ -683,20 +720,39 @@ class AdaptiveDepth(DepthPolicy):
         return a.reached[0] * (a.decay if judged else a.unjudged_decay) + judged
 
     def _learn_time(self) -> None:
+        """The step times held, in the order the steps ran; consecutive steps of one shape in one update."""
         timings, self.unlearnt = self.unlearnt, []
-        for timing in timings:  # in the order the steps ran
-            self.times.observe(*timing)
+        for (num_tokens, k, batch), run in itertools.groupby(timings, key=lambda t: (t[0], t[1], t[3])):
+            self.times.observe_run(num_tokens, k, [t[2] for t in run], batch)
 
     def learn(self) -> None:
-        """While the device runs a step: the step times not learnt yet into the step-time model, then the
+        """While the device runs a step: the last step folded in; then, once in `rank_every` steps or when a batch
+        size the next choice may meet has no ranking, the step times held into the step-time model and the
         rankings the next choice will most likely need (this step's batch size, one request fewer or more: a
-        request finishing or one done with its prompt). The last step is folded in first."""
-        self.fold()
+        request finishing or one done with its prompt; one more only while requests wait to join).
+
+        Not every step: on the tiny pair's host-bound H200 steps the device's work ends 35-76 us after the last
+        launch at one request, and `learn` (83-107 us when it ranked and learnt every step) outlasted it: the
+        step waited for it (policy_overhead.py --trace, docs/adaptive.md). The model and the rankings move over
+        tens of steps; a choice a few steps behind on them loses little (a CPU simulation of the 20B shape: within
+        0.01 of ranking every step, docs/adaptive.md), and one whose batch size or demand was
+        not ranked for, or that follows a large share of new evidence, still ranks afresh (`choose`)."""
+        # every `rank_every` steps the times held go in as runs of one shape (`_learn_time`); learning every step,
+        # the one folded in now goes in alone, as each step's did before the cadence
+        self.fold(learn_times=self.rank_every == 1)
+        batch = int(self.last.get("batch", 0))
+        sizes = [b for b in ((batch - 1, batch, batch + 1) if self._demand[0] > batch else (batch - 1, batch)) if b > 0]
+        self._ranked_ago += 1
+        self._prepared_next = True
+        # ... unless the next choice would rank afresh for the evidence it adds (the next step judges position 1
+        # at most `batch` times): while the evidence grows fast, at a level's start, ranking stays here
+        if (self._ranked_ago < self.rank_every and all(b in self.prepared for b in sizes)
+                and self.acceptance.reached[0] + batch <= (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight):
+            return  # the last rankings serve
         self._learn_time()
-        batch, expected = int(self.last.get("batch", 0)), self._expected()
-        self.prepared = {b: self._rank(b, self.K, expected=expected, demand=self._demand)
-                         for b in (batch - 1, batch, batch + 1) if b > 0} if batch else {}
-        self._prepared_next, self._prepared_weight = True, self.acceptance.reached[0]
+        expected = self._expected()
+        self.prepared = {b: self._rank(b, self.K, expected=expected, demand=self._demand) for b in sizes}
+        self._prepared_weight, self._ranked_ago = self.acceptance.reached[0], 0
 
     def describe(self) -> dict[str, float]:
         self.fold()  # the metrics count every step, the last one before the engine idles too
