@@ -202,7 +202,7 @@ case "${1:-}" in
                   # docs/adaptive.md: ROUNDS=2 SWEEP_ARGS="--switchback 32 --switchback-cycles 12 --warm-policy
                   # --warmup-steps 32 --prewarm-policy=" (~3 minutes); paired episodes (the same requests for every
                   # policy, docs/adaptive.md): ROUNDS=2 WAVES=3 MIN_REQUESTS=0 SWEEP_ARGS="--paired 10 --warm-policy
-                  # --warmup-steps 32 --prewarm-policy=" (~5 minutes)
+                  # --warmup-steps 32 --prewarm-policy=" (~3.5 minutes)
     timeout "${SWEEP_TIMEOUT:-455}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
       --prompts heldout --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-6}" --min-requests "${MIN_REQUESTS:-64}" \
       --rounds "${ROUNDS:-4}" \

@@ -176,7 +176,8 @@ MAX_UNLEARNT = 16
 PREPARED_NEW_EVIDENCE = 0.1
 
 # `AdaptiveDepth.learn` ranks afresh, and folds the step times it holds into the step-time model, once in this many
-# steps (sooner for a batch size it has no ranking for): in between, the last rankings serve.
+# steps (sooner for a batch size it has no ranking for, or while the evidence grows fast): in between, the last
+# rankings serve.
 RANK_EVERY = 4
 
 # StepGrid's shape learning (see its docstring).
@@ -685,9 +686,8 @@ class AdaptiveDepth(DepthPolicy):
         time for the step-time model.
 
         Times not learnt yet are learnt here (`learn_times`: not from `learn`, which has its own cadence) only
-        after a decode step (the engine did not call `learn`: tests,
-        simulations, host-bound steps); the model they move changes over tens of steps, so a choice one step
-        behind on it loses nothing. After a step with prompt tokens (told by its token count: the engine passes
+        after a decode step (the engine did not call `learn`: tests, simulations, host-bound steps); the model
+        they move changes over tens of steps, so a choice a step or a few behind on it loses little. After a step with prompt tokens (told by its token count: the engine passes
         `num_prefill_tokens=0`, as it chooses before it schedules) they wait for the next `learn`. The engine skips
         `learn` in those steps, whose device work ends before the host's, so learning the decode step before them
         on the critical path put ~40 us on it on the H200 (`tiny_step_trace.json`). The acceptance estimate is
