@@ -211,7 +211,9 @@ def make_policy(name: str, K: int, table: StepTable, batch_table: list | None, d
     if (f := fixed_policy(name)) is not None:
         return FixedDepth(f[0])
     if name == "adaptive":
-        return AdaptiveDepth(K, table.start_up_model(depth_scale, recorded), explore=Exploration(seed=seed))
+        # the traces are P-EAGLE's (its drafting is flat in depth): as the engine builds the policy for it
+        return AdaptiveDepth(K, table.start_up_model(depth_scale, recorded), explore=Exploration(seed=seed),
+                             flat_draft=True)
     if name == "adaptive_level":  # before the shape correction: the level only, no exploration
         policy = AdaptiveDepth(K, table.start_up_model(depth_scale, recorded))
         level_only(policy)
@@ -255,9 +257,10 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
     time is the table's times a uniform factor in 1 +- jitter (seeded: every policy sees the same draws).
     `first_slot`: the acceptance trace the level's first request replays (the sweep's replay hands traces out
     round-robin over the engine's life, so its level C starts where the earlier levels and warm-ups stopped).
-    As in the engine, the choice is the depth a step drafts for the next one, and a step verifies at most the
-    drafts its requests hold (one k for all). `old_accounting`: the engine before it told the policy (the policy
-    predicted, and its grid learnt, the depth it asked for, whatever was verified), for before/after figures."""
+    As in the engine, the choice is the depth a step drafts for the next one (`draft_depth`: at least it), and a
+    step verifies at most the drafts its requests hold (one k for all). `old_accounting`: the engine before it told
+    the policy (the policy predicted, and its grid learnt, the depth it asked for, whatever was verified), for
+    before/after figures."""
     n = max(C * waves, min_requests)
     noise = random.Random(seed + 7 * C)
     lengths = request_lengths(n, max_tokens, seed)
@@ -310,7 +313,7 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         for r in first_tokens:
             r.first = clock
         for r in decoding + first_tokens:  # every request that sampled drafts for the next step
-            r.held = max(want, 1)  # the drafter drafts at least one
+            r.held = max(policy.draft_depth(want), 1)  # the drafter drafts at least one
         steps += 1
         if B:
             depth_sum += k

@@ -80,6 +80,10 @@ def test_engine_selects_the_policy_from_speculative_config(tiny_pair):
         llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=2, speculative_config=base | extra)
         assert type(llm.engine.policy) is cls, extra
     assert llm.engine.policy.tiers == [1, 3]
+    for mode, flat in (("peagle", True), ("eagle3", False)):  # P-EAGLE drafts any depth in one pass
+        spec = base | {"model": tiny_pair[mode], "parallel_drafting": flat, "adaptive": True}
+        llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=2, speculative_config=spec)
+        assert llm.engine.policy.flat_draft is flat
     for bad, match in (({"depth_policy": "ema_tiers", "adaptive": True}, "conflicting depth policies"),
                        ({"depth_policy": "batch_table"}, "needs num_speculative_tokens_per_batch_size"),
                        ({"num_speculative_tokens_per_batch_size": [[1, 4, 5]]}, "outside"),
@@ -633,6 +637,47 @@ def test_adaptive_predicts_the_depth_it_can_verify_and_measures_a_deeper_alterna
     assert p.choose(StepInfo(16, 0, 7, drafts=2)) == 2  # drafted last step: measured now
     assert p.describe()["explored"] == 1.0 and p.describe()["k"] == 2 and p.pending is None
     assert p.explored == 1
+
+
+def test_with_a_flat_cost_drafter_an_explored_shallower_step_drafts_the_favourite_for_the_next():
+    """Depth is free, so the favourite is K; exploring the runner-up (K - 1) verifies it but, with P-EAGLE's flat
+    drafting, drafts K, so the next step can verify K again. EAGLE-3 (no `flat_draft`) drafts what it verifies."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid
+
+    always = Exploration(near=1.0, far=1.0, cap=1.0, fresh=float("inf"))
+    for flat, drafted in ((True, 7), (False, 6)):
+        p = AdaptiveDepth(7, StepGrid({16: [1.0] * 8}), prior=0.9, explore=always, flat_draft=flat)
+        k = p.choose(StepInfo(16, 0, 7, drafts=7))
+        assert (k, p.describe()["explored"], p.favourite) == (6, 1.0, 7)
+        assert p.draft_depth(k) == drafted
+        p.observe(StepInfo(16, 0, 7, drafts=7), StepOutcome(6, [(6, 6)] * 16, 1.0, 16 * 7))
+    p = AdaptiveDepth(7, StepGrid({16: [1.0] * 8}), prior=0.9, explore=Exploration.off(), flat_draft=True)
+    assert p.draft_depth(p.choose(StepInfo(16, 0, 7, drafts=7))) == 7  # not exploring: the choice itself
+    assert p.choose(StepInfo(0, 0, 7)) == p.draft_depth(7) == 7  # prefill only: K
+
+
+class DraftsDeep(Scripted):
+    """Scripted choices, but always drafting K (3) for the next step."""
+
+    def draft_depth(self, k: int) -> int:
+        return 3
+
+
+def test_a_step_drafts_the_policys_draft_depth_and_the_next_verifies_up_to_its_choice(tiny_pair):
+    """The engine drafts `draft_depth(choice)`, not the choice: after a step that chose 1 but drafted 3, the next
+    can verify 3. Output stays plain greedy."""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = LLM(tiny_pair["target"], device="cpu").generate(PROMPTS[:1], sp)[0].outputs[0].token_ids
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config={
+        "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True})
+    policy = llm.engine.policy = DraftsDeep([1, 1, 3, 2, 3])
+    req = llm.engine.add_request("r", PROMPTS[0], sp)
+    while llm.engine.has_work():
+        llm.engine.step()
+    assert req.output_ids == ref
+    assert policy.held[1:5] == [3, 3, 3, 3]
+    assert [o.k for o in policy.outcomes[:4]] == [1, 3, 2, 3]  # Scripted would verify 1, 1, 2, 2
+    assert all(o.drafted == 3 for o in policy.outcomes)
 
 
 def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_chooses_the_same():

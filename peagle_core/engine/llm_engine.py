@@ -139,7 +139,7 @@ class LLMEngine:
 
             points, draft = profile(self.runner, self.config.max_num_seqs * (self.K + 1))
             times = StepTimeModel(points, draft_pass=draft, per_k_draft=self.mode == "eagle3")
-        return AdaptiveDepth(self.K, times, k_min=spec.min_num_speculative_tokens)
+        return AdaptiveDepth(self.K, times, k_min=spec.min_num_speculative_tokens, flat_draft=self.mode == "peagle")
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -214,8 +214,8 @@ class LLMEngine:
 
     def step(self) -> list[Update]:
         running = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.drafts]
-        # The choice is also the depth this step drafts for the next; it can verify only what the last step
-        # drafted (one k for every request keeps the step a graph's uniform decode)
+        # The choice is also the depth this step drafts for the next (`draft_depth`: at least it); it can verify
+        # only what the last step drafted (one k for every request keeps the step a graph's uniform decode)
         drafts = min((len(r.drafts) for r in running), default=self.K)
         # the requests wanting a step and the budget they share (a deep k can crowd prompts out of it)
         sched = self.scheduler
@@ -223,7 +223,7 @@ class LLMEngine:
                         num_requests=min(len(sched.running) + len(sched.waiting), sched.max_num_seqs),
                         token_budget=sched.budget)
         want = self.policy.choose(info) if self.mode != "none" else 0
-        k = min(want, info.verifiable)
+        k, draft = min(want, info.verifiable), self.policy.draft_depth(want)
         batch = self.scheduler.schedule(k)
         if not batch:
             return []
@@ -232,7 +232,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             # the depth the policy wants next; the policy learns from the last step while the device runs this one
-            result = self.runner.execute(batch, draft_len=want, while_busy=self.policy.learn)
+            result = self.runner.execute(batch, draft_len=draft, while_busy=self.policy.learn)
         except Exception as e:
             for s in batch:  # the failure touched exactly these requests: end them, keep the engine
                 self.scheduler.finish(s.req, "error")
@@ -266,7 +266,7 @@ class LLMEngine:
         # a step that captured a graph (a shape first met) timed the capture, not the step
         timed = graphs is None or graphs.num_graphs == num_graphs
         self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch), timed,
-                                              drafted=want))
+                                              drafted=draft))
         for u in updates:
             if u.req.finished:
                 self.requests.pop(u.req.request_id, None)

@@ -518,10 +518,16 @@ class Exploration:
 
 class AdaptiveDepth(DepthPolicy):
     def __init__(self, K: int, times: "StepTimeModel | StepGrid", k_min: int = 0, prior: float = 0.6,
-                 explore: Exploration | None = None, rank_every: int = RANK_EVERY):
+                 explore: Exploration | None = None, rank_every: int = RANK_EVERY, flat_draft: bool = False):
+        """`flat_draft`: the drafter proposes any depth in one pass (P-EAGLE), so a step exploring a shallower k
+        still drafts the favourite's depth (`draft_depth`), and the next step can go back to it. Drafting only the
+        explored k, the next step could verify no more either: two shallow steps an exploration (on the H200 at
+        one request, 7.2% of adaptive's steps ran a shallower k for 3.6% explored). Not for EAGLE-3, whose deeper
+        draft costs a pass a token: the explored step would charge its k with the favourite's drafting."""
         if not 0 <= k_min <= K:
             raise ValueError(f"adaptive depth bounds must satisfy 0 <= min <= K, got {k_min}..{K}")
-        self.K, self.k_min, self.times = K, k_min, times
+        self.K, self.k_min, self.times, self.flat_draft = K, k_min, times, flat_draft
+        self.favourite = K  # the last choice's best-ranked k (what an exploring step drafts, with `flat_draft`)
         self.acceptance = AcceptanceEstimate(K, prior=prior)
         self.prompts = PromptShare()
         self._rate_keys = [f"accept_rate_{j + 1}" for j in range(K)]
@@ -607,8 +613,8 @@ class AdaptiveDepth(DepthPolicy):
         return [max(1, min(requests, int(b))) for b in bound]
 
     def choose(self, info: StepInfo) -> int:
-        """The depth to draft for the next step, and to verify now as far as the drafts held allow
-        (`StepInfo.verifiable`): the prediction and, through the engine's `StepOutcome.k`, the step-time
+        """The depth to draft for the next step (at least: `draft_depth`), and to verify now as far as the drafts
+        held allow (`StepInfo.verifiable`): the prediction and, through the engine's `StepOutcome.k`, the step-time
         model are for the depth verified. (Both were for the depth asked for: a step asking for more than the
         last one drafted verified less, was cheaper than predicted and taught the grid that its depth was
         cheap, and it emitted fewer tokens than predicted: on the H200 sweep at 2-4 requests 3-6% too many
@@ -620,6 +626,7 @@ class AdaptiveDepth(DepthPolicy):
         throughput (docs/adaptive.md). A prepared ranking has not seen the last step's acceptance yet."""
         K = min(self.K, info.max_k)
         if info.num_verify == 0:
+            self.favourite = K
             return K  # nothing to verify: the choice only sets how far EAGLE-3 drafts
         verifiable = min(info.verifiable, K)
         demand = (info.num_requests, info.token_budget)
@@ -634,7 +641,7 @@ class AdaptiveDepth(DepthPolicy):
         if r is None or self._weight() > (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight:
             self.fold()
             r = self._rank(info.num_verify, K, info.num_prefill_tokens, demand=demand)
-        self._demand = demand
+        self._demand, self.favourite = demand, r.best
         pending, self.pending = self.pending, None
         if pending is not None and pending <= verifiable:
             k, measures = pending, True  # an alternative drafted last step (its budget spent then): measured now
@@ -654,6 +661,9 @@ class AdaptiveDepth(DepthPolicy):
                      "sustained_batch": r.sustained if r.sustained is not None else info.num_verify}
         self.last_rates = r.rates  # named in `describe` (metrics are polled; choices are made every step)
         return k
+
+    def draft_depth(self, k: int) -> int:
+        return max(k, self.favourite) if self.flat_draft else k
 
     def _explores(self, near: bool) -> bool:
         """Whether this step runs the alternative: by chance (`near` if its predicted goodput is within

@@ -3,8 +3,8 @@
 The engine asks `choose(info)` once per step (one k for the whole batch, so verify shapes stay
 graph-friendly) and reports back with `observe(...)` after the step, so a policy can learn
 acceptance rates and step times online; `learn()` runs while the device executes the next step.
-The step drafts k for the next one and verifies what the previous step drafted, at most k:
-`StepOutcome.k` is the depth it verified.
+The step drafts `draft_depth(k)` (k for every policy but one) for the next one and verifies what the previous
+step drafted, at most k: `StepOutcome.k` is the depth it verified.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class StepOutcome:
     step_time: float                 # seconds, device work included
     num_tokens: int                  # target tokens in the step
     timed: bool = True               # False: the step also captured a CUDA graph, so step_time is not its cost
-    drafted: int = 0                 # drafts the step made for the next one (the policy's choice)
+    drafted: int = 0                 # drafts the step made for the next one (`DepthPolicy.draft_depth`)
 
 
 @dataclass
@@ -139,6 +139,11 @@ class DepthPolicy:
 
     def choose(self, info: StepInfo) -> int:
         raise NotImplementedError
+
+    def draft_depth(self, k: int) -> int:
+        """The drafts this step makes for the next one, its choice being k: k itself, unless a policy knows the next
+        step wants more (`AdaptiveDepth` with a drafter whose cost is flat in depth)."""
+        return k
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
         self.record(info, outcome)
