@@ -650,7 +650,6 @@ def test_with_a_flat_cost_drafter_an_explored_shallower_step_drafts_the_favourit
         k = p.choose(StepInfo(16, 0, 7, drafts=7))
         assert (k, p.describe()["explored"], p.favourite) == (6, 1.0, 7)
         assert p.draft_depth(k) == drafted
-        p.observe(StepInfo(16, 0, 7, drafts=7), StepOutcome(6, [(6, 6)] * 16, 1.0, 16 * 7))
     p = AdaptiveDepth(7, StepGrid({16: [1.0] * 8}), prior=0.9, explore=Exploration.off(), flat_draft=True)
     assert p.draft_depth(p.choose(StepInfo(16, 0, 7, drafts=7))) == 7  # not exploring: the choice itself
     assert p.choose(StepInfo(0, 0, 7)) == p.draft_depth(7) == 7  # prefill only: K
