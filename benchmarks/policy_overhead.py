@@ -65,7 +65,7 @@ def make_policy(name: str, built, asked: list[int]) -> DepthPolicy:
     elif name == "adaptive_k3":
         policy.choose = lambda info: (choose(info), 3)[1]
     elif name == "adaptive_quiet":
-        policy.learn = lambda: None
+        policy.learn = lambda busy=None: None
         policy.explore = Exploration.off()
     else:
         raise ValueError(f"unknown policy {name!r}")

@@ -139,8 +139,8 @@ def test_the_engine_runs_the_policys_learning_while_the_step_is_on_the_device(ti
     events = []
 
     class Recorder(FixedDepth):
-        def learn(self):
-            events.append("learn")
+        def learn(self, busy=None):
+            events.append(("learn", busy is not None and busy()))
 
     monkeypatch.setattr(ModelRunner, "_device_busy", lambda self: busy)
     spec = {"method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 2, "parallel_drafting": True}
@@ -151,7 +151,8 @@ def test_the_engine_runs_the_policys_learning_while_the_step_is_on_the_device(ti
     runner._to_host = lambda *a: (events.append("wait"), to_host(*a))[1]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = llm.generate([[1, 2, 3]], params)
-    assert events and events == (["learn", "wait"] if busy else ["wait"]) * (len(events) // (1 + busy))
+    # learn is given the runner's probe, to tell when the device is done
+    assert events and events == ([("learn", True), "wait"] if busy else ["wait"]) * (len(events) // (1 + busy))
 
     adaptive = LLM(tiny_pair["target"], device="cpu", speculative_config={**spec, "depth_policy": "adaptive"})
     plain = LLM(tiny_pair["target"], device="cpu")

@@ -798,6 +798,79 @@ def test_learn_ranks_once_in_rank_every_steps_and_a_change_in_acceptance_is_foll
     assert 0 <= left - left_every <= RANK_EVERY
 
 
+def test_learn_starts_each_part_of_a_round_only_while_the_device_is_busy_and_finishes_a_stale_round_anyway():
+    """With the engine's probe of the device, `learn` folds the last step in whatever the device, but starts each
+    part of a ranking round (the step times, then one batch size's ranking) only while the device still runs
+    the step, leaving the rest to the next call; a round left STALE_ROUND x RANK_EVERY steps after the last one
+    ended is finished without asking. Choices keep finding a ranking prepared, and choose as the policy does
+    without the probe."""
+    from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND, Exploration, StepGrid
+
+    def policy() -> AdaptiveDepth:
+        return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.1 * b + 0.01 * b * k for k in range(8)] for b in (1, 8)}),
+                             explore=Exploration.off())
+
+    def step(p: AdaptiveDepth, i: int, answers: list[bool] | None) -> tuple[int, list[int], int, int]:
+        """One step with the device answering `answers` in turn (None: no probe); the choice, the batch sizes
+        `learn` ranked, how often it asked, and the step times it left queued."""
+        info = StepInfo(8, 0, 7, num_requests=8)
+        k = p.choose(info)
+        ranked, asked = [], []
+        rank = p._rank
+        p._rank = lambda b, *a, **kw: (ranked.append(b), rank(b, *a, **kw))[1]
+        p.learn(None if answers is None else lambda: (asked.append(1), answers[len(asked) - 1])[1])
+        p._rank = rank
+        accepted = 7 if i % 3 else 4
+        p.observe(info, StepOutcome(k, [(k, min(k, accepted))] * 8, p.times.step(8, k), 8 * (1 + k)))
+        return k, ranked, len(asked), len(p.unlearnt)
+
+    p = policy()
+    for i in range(100):  # past a level's start, where every step ranks
+        step(p, i, None)
+    while p._ranked_ago:
+        step(p, 0, None)  # a round just ended
+    # not due: no question asked, nothing ranked
+    assert all(step(p, 0, [])[1:3] == ([], 0) for _ in range(RANK_EVERY - 1))
+    # due, the device done: the round waits (the step times with it), a question a step, until it is stale
+    for _ in range((STALE_ROUND - 1) * RANK_EVERY):
+        k, ranked, asked, queued = step(p, 0, [False])
+        assert (ranked, asked) == ([], 1) and queued > 0
+    k, ranked, asked, queued = step(p, 0, [])  # stale: the whole round, unasked
+    assert (sorted(ranked), asked, queued) == ([7, 8], 0, 0) and p._ranked_ago == 0
+    for _ in range(RANK_EVERY - 1):
+        step(p, 0, [])
+    # due and busy for the step times and one ranking: the other waits for the next step, whose device is busy
+    assert step(p, 0, [True, True, False])[1:] == ([7], 3, 0) and p._round == {7}
+    assert step(p, 0, [True])[1:3] == ([8], 1) and p._round is None and p._ranked_ago == 0
+
+    # whatever the device answers, the choices rank nothing themselves and follow the policy without the probe
+    import random
+
+    def run(probe: bool) -> tuple[list[int], list[int]]:
+        p, rng, ks, in_choose = policy(), random.Random(0), [], []
+        rank = p._rank
+        for i in range(300):
+            info = StepInfo(8, 0, 7, num_requests=8)
+            p._rank = lambda *a, **kw: (in_choose.append(i), rank(*a, **kw))[1]
+            ks.append(p.choose(info))
+            p._rank = rank
+            answers = [rng.random() < 0.5 for _ in range(4)]
+            p.learn((lambda: answers.pop(0)) if probe else None)
+            accepted = 7 if i < 200 else 0  # every draft passes, then none does
+            p.observe(info, StepOutcome(ks[-1], [(ks[-1], min(ks[-1], accepted))] * 8, p.times.step(8, ks[-1]),
+                                        8 * (1 + ks[-1])))
+        return ks, in_choose
+
+    ks, in_choose = run(True)
+    ks_plain, _ = run(False)
+    assert ks[100:200] == ks_plain[100:200] == [7] * 100
+    assert not [i for i in in_choose if 100 <= i < 200]  # steady: every choice found its ranking prepared
+    # when every draft starts to fail, leaving k = 7 moves by at most a stale round's wait (either way: the rounds
+    # fall on other steps)
+    left, left_plain = (next(i for i, k in enumerate(x) if i >= 200 and k <= 1) for x in (ks, ks_plain))
+    assert abs(left - left_plain) <= STALE_ROUND * RANK_EVERY
+
+
 def test_learn_prepares_one_more_request_only_while_requests_wait_to_join():
     """A step verifies at most the requests in the engine now (running or waiting: a request arriving later needs its
     prompt first), so with none waiting a batch one larger cannot come next and is not ranked for."""

@@ -118,10 +118,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[Scheduled], draft_len: int | None = None,
-                while_busy: Callable[[], None] | None = None) -> StepResult:
+                while_busy: Callable[[Callable[[], bool]], None] | None = None) -> StepResult:
         """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify.
         `while_busy` runs once everything is launched, before the step waits for the device, if the device is
-        still working on the step (`_device_busy`)."""
+        still working on the step (`_device_busy`, which it is given to tell when the device is done)."""
         host = self._host_inputs(batch)
         B, T = len(batch), len(host.forward.input_ids)
         # A decode step (no prefill, one k) replays the target's decode graph; its drafter step then replays too.
@@ -146,7 +146,7 @@ class ModelRunner:
         if self.drafter is not None:
             drafts = self._draft(key, uniform, input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
         if while_busy is not None and self._device_busy():
-            while_busy()
+            while_busy(self._device_busy)
         return self._to_host(batch, tokens, num_accepted, drafts)
 
     def _device_busy(self) -> bool:

@@ -22,6 +22,7 @@ import functools
 import itertools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome, is_decode_step
@@ -179,6 +180,10 @@ PREPARED_NEW_EVIDENCE = 0.1
 # steps (sooner for a batch size it has no ranking for, or while the evidence grows fast): in between, the last
 # rankings serve.
 RANK_EVERY = 4
+
+# A ranking round `AdaptiveDepth.learn` leaves while the device is done waits at most this many `rank_every`s
+# since the last round ended; then it is finished whatever the device.
+STALE_ROUND = 2
 
 # StepGrid's shape learning (see its docstring).
 SHAPE_PRIOR = 1.0                # pseudo-observations that hold a cell's estimate toward its nearest observed neighbour
@@ -549,6 +554,8 @@ class AdaptiveDepth(DepthPolicy):
         self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
         self._step: tuple | None = None  # the last step observed, not folded in yet (`observe`, `fold`)
         self.rank_every, self._ranked_ago = max(1, rank_every), 0  # `learn`'s cadence, and its calls since it ranked
+        self._round: set[int] | None = None  # batch sizes ranked in a round `learn` has not finished (`busy`)
+        self._round_weight = 0.0  # the acceptance evidence that round started with
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
@@ -685,7 +692,9 @@ class AdaptiveDepth(DepthPolicy):
         longer than K7's on the H200 (docs/adaptive.md)."""
         # rankings serve choices while `learn` runs in every step (it ranks afresh once in `rank_every`), never
         # after a step without it: the next choice ranks with that step's evidence
-        self.prepared, self._prepared_next = (self.prepared if self._prepared_next else {}), False
+        if not self._prepared_next:
+            self.prepared, self._round = {}, None
+        self._prepared_next = False
         self.fold()  # `learn` did not run during this step (the device finished first): the step before, now
         last = self.last
         self._step = (info, outcome, last.get("predicted_tokens_per_step"), last.get("predicted_step_s"),
@@ -735,18 +744,26 @@ class AdaptiveDepth(DepthPolicy):
         for (num_tokens, k, batch), run in itertools.groupby(timings, key=lambda t: (t[0], t[1], t[3])):
             self.times.observe_run(num_tokens, k, [t[2] for t in run], batch)
 
-    def learn(self) -> None:
+    def learn(self, busy: Callable[[], bool] | None = None) -> None:
         """While the device runs a step: the last step folded in; then, once in `rank_every` steps or when a batch
         size the next choice may meet has no ranking, the step times held into the step-time model and the
         rankings the next choice will most likely need (this step's batch size, one request fewer or more: a
         request finishing or one done with its prompt; one more only while requests wait to join).
 
-        Not every step: on the tiny pair's host-bound H200 steps the device's work ends 35-76 us after the last
+        Not every step: on the tiny pair's host-bound H200 steps the device's work ends 26-76 us after the last
         launch at one request, and `learn` (83-107 us when it ranked and learnt every step) outlasted it: the
         step waited for it (policy_overhead.py --trace, docs/adaptive.md). The model and the rankings move over
         tens of steps; a choice a few steps behind on them loses little (a CPU simulation of the 20B shape: within
         0.01 of ranking every step, docs/adaptive.md), and one whose batch size or demand was
-        not ranked for, or that follows a large share of new evidence, still ranks afresh (`choose`)."""
+        not ranked for, or that follows a large share of new evidence, still ranks afresh (`choose`).
+
+        `busy` (the engine's probe of the device): past the fold, each part of a ranking round (the step times,
+        then each batch size's ranking) starts only while the device still runs the step, and the rest waits for
+        the next call: the round is spread over steps whose device time can hide it, instead of one step in
+        `rank_every` waiting for what outlasts the device. A part begun may still overrun by its own length (a
+        ranking ~5 us on the 2-core CPU, the step times ~15). A round left for `STALE_ROUND` x `rank_every`
+        steps since the last one ended is finished whatever the device. Without `busy` (tests, simulations) a
+        round is done at once."""
         # every `rank_every` steps the times held go in as runs of one shape (`_learn_time`); learning every step,
         # the one folded in now goes in alone, as each step's did before the cadence
         self.fold(learn_times=self.rank_every == 1)
@@ -756,13 +773,27 @@ class AdaptiveDepth(DepthPolicy):
         self._prepared_next = True
         # ... unless the next choice would rank afresh for the evidence it adds (the next step judges position 1
         # at most `batch` times): while the evidence grows fast, at a level's start, ranking stays here
-        if (self._ranked_ago < self.rank_every and all(b in self.prepared for b in sizes)
+        if (self._round is None and self._ranked_ago < self.rank_every and all(b in self.prepared for b in sizes)
                 and self.acceptance.reached[0] + batch <= (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight):
             return  # the last rankings serve
-        self._learn_time()
+        forced = busy is None or self._ranked_ago >= STALE_ROUND * self.rank_every
+        if self._round is None:
+            if not forced and not busy():
+                return
+            self._learn_time()
+            self._round, self._round_weight = set(), self.acceptance.reached[0]
+            # other batch sizes' rankings are older than a round: a choice for one ranks afresh
+            self.prepared = {b: r for b, r in self.prepared.items() if b in sizes}
         expected = self._expected()
-        self.prepared = {b: self._rank(b, self.K, expected=expected, demand=self._demand) for b in sizes}
-        self._prepared_weight, self._ranked_ago = self.acceptance.reached[0], 0
+        for b in sizes:
+            if b not in self._round:
+                if not forced and not busy():
+                    return  # the device is done: the rest of the round waits for the next step's call
+                self.prepared[b] = self._rank(b, self.K, expected=expected, demand=self._demand)
+                self._round.add(b)
+        # the oldest ranking of the round stands for its evidence (a choice ranks afresh past it: `choose`)
+        self.prepared = {b: self.prepared[b] for b in self._round}
+        self._prepared_weight, self._ranked_ago, self._round = self._round_weight, 0, None
 
     def describe(self) -> dict[str, float]:
         self.fold()  # the metrics count every step, the last one before the engine idles too
