@@ -288,7 +288,8 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         held = min((r.held for r in decoding), default=K)
         info = StepInfo(num_verify=B, num_prefill_tokens=0, max_k=K,  # the engine passes no prompt tokens
                         drafts=None if old_accounting else held, num_requests=len(active),
-                        token_budget=joins.budget if joins.prompt_len else 0)
+                        token_budget=joins.budget if joins.prompt_len else 0,
+                        prompt_backlog=sum(r.prefill for r in active) if joins.prompt_len else None)
         want = policy.choose(info) if K else 0
         policy.learn()  # as the engine calls it: while the device runs the step
         k = min(want, held)

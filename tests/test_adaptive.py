@@ -206,3 +206,27 @@ def test_a_budget_that_cannot_hold_every_request_at_depth_k_ranks_the_steady_sta
     assert p.describe()["sustained_batch"] == b[k] < 64
     assert p.choose(info(8192)) == 7  # a serving budget has room: the step's own batch decides
     assert p.choose(info(512, requests=16)) == 7  # 16 requests x (8 + 2 E(7)) fit in 512 too
+
+
+def test_a_step_that_holds_every_waiting_prompt_token_even_at_depth_k_ranks_as_if_unbounded():
+    """The steady-state bound reads the prompt share, which a burst of prompts inflates for the steps after it has
+    been fed. When the step has room for the whole backlog even at depth K (N - B (1 + K) >= it), no depth keeps a
+    prompt out, and the choice is the usual one; with more waiting than that room, or the backlog unknown, the
+    steady states are ranked as before."""
+    E = [sum(0.9 ** i for i in range(k + 1)) for k in range(8)]
+
+    def choice(budget: int, backlog: int | None) -> int:
+        p = budget_policy()
+        p.prompts.prompt, p.prompts.output = 2.0, 1.0  # rho = 2: the bound binds at 64 requests for both budgets
+        return p.choose(StepInfo(64, 0, 7, num_requests=64, token_budget=budget, prompt_backlog=backlog))
+
+    p = budget_policy()
+    for budget in (512, 1024):
+        b = [max(1, min(64, int(budget / ((1 + k) + 2 * E[k])))) for k in range(8)]
+        brute = max(range(8), key=lambda k: b[k] * E[k] / p.times.step(b[k], k))
+        assert brute < 7
+        room = budget - 64 * 8  # what the prompts get at k = 7: none of 512, half of 1024
+        assert choice(budget, None) == brute  # unknown backlog: the bound, as before
+        assert choice(budget, room + 1) == brute  # one token more than k = 7 leaves room for
+        assert choice(budget, room) == (7 if room >= 0 else brute)  # all of it fits at k = 7
+    assert choice(1024, 0) == 7 and choice(512, 0) == 7  # nothing waits

@@ -221,7 +221,7 @@ class LLMEngine:
         sched = self.scheduler
         info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K, drafts=drafts,
                         num_requests=min(len(sched.running) + len(sched.waiting), sched.max_num_seqs),
-                        token_budget=sched.budget)
+                        token_budget=sched.budget, prompt_backlog=sched.prompt_backlog())
         want = self.policy.choose(info) if self.mode != "none" else 0
         k, draft = min(want, info.verifiable), self.policy.draft_depth(want)
         batch = self.scheduler.schedule(k)

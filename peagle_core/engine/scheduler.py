@@ -8,6 +8,7 @@ recomputed later from its tokens (never dropped).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -55,6 +56,14 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+    def prompt_backlog(self) -> int:
+        """Prompt tokens waiting to be fed: the running requests' still in their prompts (a decoding request has
+        one token uncomputed, its last sampled one; a prompt's last token is one too, before anything is sampled)
+        and those of the waiting requests that may join now."""
+        joining = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
+        return (sum(n for r in self.running if (n := r.num_uncomputed) > 1 or (n and not r.num_output))
+                + sum(r.num_uncomputed for r in joining))
 
     def schedule(self, k: int) -> list[Scheduled]:
         budget, out = self.budget, []

@@ -280,7 +280,10 @@ class StepGrid:
         return self.rows[r][k] * math.exp(self.shape[r][k])
 
     def step(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
-        return self.steps(batch, min(k, self.K), prefill_tokens)[-1]
+        """T(batch, k) alone (`steps`' entry k, without building the row: the budget-bound ranking reads one k at
+        each of up to K + 1 batch sizes)."""
+        t = self._batch(max(batch, 1))[0][min(k, self.K)]
+        return t + self._prefill_extra(prefill_tokens) if prefill_tokens else t
 
     def monotone(self, r: int) -> list[float]:
         """Row r's cells, each the max over k' <= k: a deeper verify never costs less than a shallower one, so
@@ -300,11 +303,15 @@ class StepGrid:
     def steps(self, batch: int, max_k: int, prefill_tokens: int = 0) -> list[float]:
         """T(batch, k) for k = 0..max_k (k past K costs what K does)."""
         out = self._batch(max(batch, 1))[0]
-        if prefill_tokens:  # prompt tokens in the same step: the marginal cost of a verified token
-            top = self.rows[-1]
-            extra = prefill_tokens * max(top[-1] - top[0], 0.0) / max(self.sizes[-1] * self.K, 1)
+        if prefill_tokens:
+            extra = self._prefill_extra(prefill_tokens)
             out = [t + extra for t in out]
         return out[:max_k + 1] + [out[-1]] * (max_k - self.K)
+
+    def _prefill_extra(self, prefill_tokens: int) -> float:
+        """Prompt tokens in the same step: the marginal cost of a verified token."""
+        top = self.rows[-1]
+        return prefill_tokens * max(top[-1] - top[0], 0.0) / max(self.sizes[-1] * self.K, 1)
 
     def observe(self, num_tokens: int, k: int, seconds: float, batch: int) -> None:
         self.observe_run(num_tokens, k, [seconds], batch)
@@ -492,6 +499,7 @@ class Ranking:
     alt: int | None
     near: bool
     sustained: int | None = None  # requests the token budget keeps decoding at the best k, if it binds
+    made: int = 0  # the policy's steps observed when it was ranked (its age: `AdaptiveDepth.choose`)
 
 
 @dataclass
@@ -550,10 +558,10 @@ class AdaptiveDepth(DepthPolicy):
         self.unlearnt: list[tuple[int, int, float, int]] = []  # step times not yet in the model, until `learn`
         self.prepared: dict[int, Ranking] = {}  # batch size -> ranking, worked out by `learn` for the next choice
         self._demand = (0, 0)  # the last choice's (requests, token budget): what `learn` ranks for
-        self._prepared_next = False  # `learn` ran during the step now being observed: its rankings still serve
         self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
         self._step: tuple | None = None  # the last step observed, not folded in yet (`observe`, `fold`)
-        self.rank_every, self._ranked_ago = max(1, rank_every), 0  # `learn`'s cadence, and its calls since it ranked
+        self.rank_every = max(1, rank_every)  # `learn`'s cadence, in steps
+        self._steps = self._last_round = 0  # steps observed, and their count when `learn` last finished a round
         self._round: set[int] | None = None  # batch sizes ranked in a round `learn` has not finished (`busy`)
         self._round_weight = 0.0  # the acceptance evidence that round started with
 
@@ -593,7 +601,21 @@ class AdaptiveDepth(DepthPolicy):
                 if k != best and evidence[min(k, top)] < fresh and (alt is None or goodput[k] > goodput[alt]):
                     alt = k
         near = alt is not None and goodput[alt] >= (1.0 - self.explore.margin) * goodput[best]
-        return Ranking(rates, tokens, seconds, best, alt, near, sustained[best] if sustained else None)
+        return Ranking(rates, tokens, seconds, best, alt, near, sustained[best] if sustained else None, self._steps)
+
+    @staticmethod
+    def _demand_of(info: StepInfo, K: int) -> tuple[int, int]:
+        """The requests wanting a step and the token budget they share (`_sustained`); the budget counts as
+        unbounded (0) when this step holds every prompt token waiting even at depth K (N - B (1 + K) >= the
+        backlog): then no depth keeps a prompt out of it. A burst of prompts inflates the prompt share for the
+        steps after it has been fed; with a budget that leaves prompts room at every depth (the tiny pair's
+        2048 tokens at 64 requests: 512 for k = 7), the policy kept verifying shallowly for a burst already in
+        (docs/adaptive.md). Where k = 7 fills the budget (64 requests, 512 tokens) there is no room at K, and
+        nothing changes."""
+        budget, backlog = info.token_budget, info.prompt_backlog
+        if budget and backlog is not None and backlog <= budget - info.num_verify * (1 + K):
+            budget = 0
+        return info.num_requests, budget
 
     def _sustained(self, tokens: list[float], K: int, lo: int, requests: int, budget: int) -> list[int] | None:
         """Decoding requests a step of `budget` tokens keeps going at each k, if at some k in lo..K it cannot keep
@@ -636,8 +658,13 @@ class AdaptiveDepth(DepthPolicy):
             self.favourite = K
             return K  # nothing to verify: the choice only sets how far EAGLE-3 drafts
         verifiable = min(info.verifiable, K)
-        demand = (info.num_requests, info.token_budget)
+        demand = self._demand_of(info, K)
         r = self.prepared.get(info.num_verify) if not info.num_prefill_tokens and K == self.K else None
+        # rankings age through steps without `learn` (host-bound steps: the device done before the host); one
+        # older than `learn` ever leaves one (a round starts after `rank_every` steps and ends by STALE_ROUND x
+        # that) says it has not been running
+        if r is not None and self._steps - r.made >= 2 * STALE_ROUND * self.rank_every:
+            r = None
         if r is not None and demand != self._demand:
             self.fold()  # the budget check reads the prompt share, which the last step moved
             if r.sustained is not None or self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None:
@@ -690,11 +717,7 @@ class AdaptiveDepth(DepthPolicy):
         was two thirds of the policy's host time on the critical path (benchmarks/host_time.py --device-busy:
         ~35 of 52-61 us a step on the 2-core CPU), and on the host-bound tiny pair adaptive's steps ran 15-30 us
         longer than K7's on the H200 (docs/adaptive.md)."""
-        # rankings serve choices while `learn` runs in every step (it ranks afresh once in `rank_every`), never
-        # after a step without it: the next choice ranks with that step's evidence
-        if not self._prepared_next:
-            self.prepared, self._round = {}, None
-        self._prepared_next = False
+        self._steps += 1  # the rankings age by the step whether `learn` ran in it or not (`choose`, `learn`)
         self.fold()  # `learn` did not run during this step (the device finished first): the step before, now
         last = self.last
         self._step = (info, outcome, last.get("predicted_tokens_per_step"), last.get("predicted_step_s"),
@@ -769,14 +792,13 @@ class AdaptiveDepth(DepthPolicy):
         self.fold(learn_times=self.rank_every == 1)
         batch = int(self.last.get("batch", 0))
         sizes = [b for b in ((batch - 1, batch, batch + 1) if self._demand[0] > batch else (batch - 1, batch)) if b > 0]
-        self._ranked_ago += 1
-        self._prepared_next = True
+        age = self._steps - self._last_round  # the steps since the last round ended
         # ... unless the next choice would rank afresh for the evidence it adds (the next step judges position 1
         # at most `batch` times): while the evidence grows fast, at a level's start, ranking stays here
-        if (self._round is None and self._ranked_ago < self.rank_every and all(b in self.prepared for b in sizes)
+        if (self._round is None and age < self.rank_every and all(b in self.prepared for b in sizes)
                 and self.acceptance.reached[0] + batch <= (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight):
             return  # the last rankings serve
-        forced = busy is None or self._ranked_ago >= STALE_ROUND * self.rank_every
+        forced = busy is None or age >= STALE_ROUND * self.rank_every
         if self._round is None:
             if not forced and not busy():
                 return
@@ -793,7 +815,7 @@ class AdaptiveDepth(DepthPolicy):
                 self._round.add(b)
         # the oldest ranking of the round stands for its evidence (a choice ranks afresh past it: `choose`)
         self.prepared = {b: self.prepared[b] for b in self._round}
-        self._prepared_weight, self._ranked_ago, self._round = self._round_weight, 0, None
+        self._prepared_weight, self._last_round, self._round = self._round_weight, self._steps, None
 
     def describe(self) -> dict[str, float]:
         self.fold()  # the metrics count every step, the last one before the engine idles too

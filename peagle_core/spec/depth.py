@@ -23,6 +23,8 @@ class StepInfo:
     drafts: int | None = None  # drafts every verifying request holds (None: max_k)
     num_requests: int = 0     # requests that want a step: running or waiting, at most max_num_seqs (0: unknown)
     token_budget: int = 0     # tokens one step may feed the target (0: unbounded)
+    prompt_backlog: int | None = None  # prompt tokens waiting to be fed: those of running requests still in their
+    # prompts, and of waiting ones that may join (up to max_num_seqs); None: unknown
 
     @property
     def verifiable(self) -> int:
