@@ -903,7 +903,7 @@ def test_rankings_serve_through_steps_without_learn_until_older_than_learn_ever_
         fresh.observe(info, outcome)
     limit = 2 * STALE_ROUND * RANK_EVERY
     assert all(ranked == (age >= limit) for age, ranked in rows)
-    assert rows[0] == (rows[0][0], False) and rows[0][0] <= RANK_EVERY  # the first ones served by `learn`'s ranking
+    assert not rows[0][1] and rows[0][0] <= RANK_EVERY  # the first ones served by `learn`'s ranking
     assert rows[-1][1] and sum(not r for _, r in rows) == limit - rows[0][0]  # then every choice ranks
 
 

@@ -665,15 +665,13 @@ class AdaptiveDepth(DepthPolicy):
         # that) says it has not been running
         if r is not None and self._steps - r.made >= 2 * STALE_ROUND * self.rank_every:
             r = None
-        if r is not None and demand != self._demand:  # ranked for another demand: unless the budget binds for
-            # neither, rank afresh (no budget to check, e.g. the backlog fits, needs no fold: the check would
-            # read the prompt share, which the step not folded in yet moves)
+        if r is not None and demand != self._demand:  # ranked for another demand
             if r.sustained is not None:
-                r = None
-            elif demand[1]:
-                self.fold()
+                r = None  # the budget bound it
+            elif demand[1]:  # a budget to check now (0: unbounded, e.g. the backlog fits: no fold needed)
+                self.fold()  # the check reads the prompt share, which the last step moved
                 if self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None:
-                    r = None
+                    r = None  # it binds now
         # ... unless that step was a large part of all the evidence (a level's first steps, where one more step
         # judged on the prior doubles a wrong early signal: tests/test_depth_policies.py); position 1 is judged
         # by every request that verifies, so its decayed count stands for the estimate's weight
