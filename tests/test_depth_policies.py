@@ -757,16 +757,24 @@ def test_folding_the_last_step_in_later_chooses_exactly_as_folding_it_at_once(se
     assert later.times.rows == at_once.times.rows and later.times.shape == at_once.times.shape
 
 
+def _cadence_policy(rank_every: int | None = None) -> AdaptiveDepth:
+    """An adaptive policy on a two-row grid where depth is cheap (k = 7 best at full acceptance), no exploring:
+    what the tests of `learn`'s cadence run."""
+    from peagle_core.spec.adaptive import RANK_EVERY, Exploration, StepGrid
+
+    return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.1 * b + 0.01 * b * k for k in range(8)] for b in (1, 8)}),
+                         explore=Exploration.off(), rank_every=RANK_EVERY if rank_every is None else rank_every)
+
+
 def test_learn_ranks_once_in_rank_every_steps_and_a_change_in_acceptance_is_followed_within_them():
     """On a host-bound engine `learn` outlasted the device's work (docs/adaptive.md), so in a steady state it ranks
     and folds the step times in once in RANK_EVERY steps, the times of one shape in one update; the choices do not
     rank in between, and when every draft starts to fail the policy leaves deep speculation at most RANK_EVERY
     steps later than one that ranks every step."""
-    from peagle_core.spec.adaptive import RANK_EVERY, Exploration, StepGrid
+    from peagle_core.spec.adaptive import RANK_EVERY
 
     def run(rank_every: int) -> tuple[list[int], list[str], list[int]]:
-        p = AdaptiveDepth(7, StepGrid({b: [1.0 + 0.1 * b + 0.01 * b * k for k in range(8)] for b in (1, 8)}),
-                          explore=Exploration.off(), rank_every=rank_every)
+        p = _cadence_policy(rank_every)
         ranks, runs = [], []
         rank, observe_run = p._rank, p.times.observe_run
         p._rank = lambda *a, **kw: (ranks.append(tuple(where)), rank(*a, **kw))[1]
@@ -804,12 +812,9 @@ def test_learn_starts_each_part_of_a_round_only_while_the_device_is_busy_and_fin
     the step, leaving the rest to the next call; a round left STALE_ROUND x RANK_EVERY steps after the last one
     ended is finished without asking. Choices keep finding a ranking prepared, and choose as the policy does
     without the probe."""
-    from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND, Exploration, StepGrid
+    from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND
 
-    def policy() -> AdaptiveDepth:
-        return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.1 * b + 0.01 * b * k for k in range(8)] for b in (1, 8)}),
-                             explore=Exploration.off())
-
+    policy = _cadence_policy
     def step(p: AdaptiveDepth, i: int, answers: list[bool] | None) -> tuple[int, list[int], int, int]:
         """One step with the device answering `answers` in turn (None: no probe); the choice, the batch sizes
         `learn` ranked, how often it asked, and the step times it left queued."""
@@ -878,12 +883,9 @@ def test_rankings_serve_through_steps_without_learn_until_older_than_learn_ever_
     H200). The rankings `learn` made keep serving the choices through such steps; once older than `learn` ever
     leaves one (2 x STALE_ROUND x RANK_EVERY steps) the choice ranks afresh, as a policy without `learn` does
     in every choice, and chooses as it does."""
-    from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND, Exploration, StepGrid
+    from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND
 
-    def policy() -> AdaptiveDepth:
-        return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.1 * b + 0.01 * b * k for k in range(8)] for b in (1, 8)}),
-                             explore=Exploration.off())
-
+    policy = _cadence_policy
     p, fresh = policy(), policy()
     in_choice = []
     rank = p._rank

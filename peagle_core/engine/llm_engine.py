@@ -220,9 +220,9 @@ class LLMEngine:
         # the requests wanting a step and the budget they share (a deep k can crowd prompts out of it)
         sched = self.scheduler
         wanting = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)
-        # prompt tokens waiting: none when every request wanting a step verifies (walking 64 requests took ~8 us
-        # in a microbenchmark on the 2-core CPU, a cost every policy would pay each step)
-        backlog = (sched.prompt_backlog() if wanting > len(running) else 0) if self.mode != "none" else None
+        # prompt tokens waiting: none when every request wanting a step verifies (the walk over the requests would
+        # otherwise cost every policy's every step)
+        backlog = None if self.mode == "none" else sched.prompt_backlog() if wanting > len(running) else 0
         info = StepInfo(num_verify=len(running), num_prefill_tokens=0, max_k=self.K, drafts=drafts,
                         num_requests=wanting, token_budget=sched.budget, prompt_backlog=backlog)
         want = self.policy.choose(info) if self.mode != "none" else 0

@@ -787,7 +787,7 @@ class AdaptiveDepth(DepthPolicy):
         then each batch size's ranking) starts only while the device still runs the step, and the rest waits for
         the next call: the round is spread over steps whose device time can hide it, instead of one step in
         `rank_every` waiting for what outlasts the device. A part begun may still overrun by its own length (a
-        ranking ~5 us on the 2-core CPU, the step times ~15). A round left for `STALE_ROUND` x `rank_every`
+        whole round took 113-145 us on the H200 host: policy_overhead_slack_c1.json). A round left for `STALE_ROUND` x `rank_every`
         steps since the last one ended is finished whatever the device. Without `busy` (tests, simulations) a
         round is done at once."""
         # every `rank_every` steps the times held go in as runs of one shape (`_learn_time`); learning every step,
