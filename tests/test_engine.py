@@ -223,3 +223,23 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     assert "learn_us_per_step" not in r  # a CPU runner is never busy: the policy learns inside observe
     busy = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256, device_busy=True)
     assert busy["learn_us_per_step"] > 0  # --device-busy: learn ran inside execute, as while a GPU works
+
+
+
+def test_start_up_freezes_the_heap_and_the_next_start_up_reclaims_a_dropped_engine(tiny_pair):
+    import gc
+    import weakref
+
+    first = LLM(tiny_pair["target"], device="cpu").engine
+    # what start-up built is out of the collector's walks: a full collection no longer visits it
+    assert gc.get_freeze_count() > 0
+    assert not any(o is first.runner for o in gc.get_objects())
+    first.me = first  # a reference cycle through the frozen engine (a CUDA engine's graph runner makes one)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is not None  # frozen: a collection does not free it ...
+    second = LLM(tiny_pair["target"], device="cpu").engine
+    assert gone() is None  # ... the next engine's start-up does, before sizing its KV cache
+    second.shutdown()
+    assert gc.get_freeze_count() == 0  # a shut-down engine is the collector's again

@@ -258,7 +258,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     """A worker's whole life: connect, load its shard, agree on the KV cache, then follow rank 0's forwards."""
     from kernels.dispatch import set_triton_enabled
     from peagle_core.engine.graphs import target_graph_set
-    from peagle_core.engine.llm_engine import kv_budget_bytes
+    from peagle_core.engine.llm_engine import freeze_heap, kv_budget_bytes
     from peagle_core.engine.model_runner import ModelRunner
     from peagle_core.loading.hub import resolve
 
@@ -287,6 +287,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
                 tcfg.vocab_size)
     graphs = target_graph_set(target, max_num_seqs, K, max_model_len, cfg.block_size, budget or None, device,
                               bool(capture), torch.cuda.graph_pool_handle() if capture else None)
+    freeze_heap()  # a full collection in one rank stalls every rank's step
     with torch.inference_mode():
         while True:
             header = comm.recv_header()
