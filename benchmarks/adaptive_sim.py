@@ -205,15 +205,16 @@ def _interp(by_b: dict[int, float], B: int) -> float:
 
 
 def make_policy(name: str, K: int, table: StepTable, batch_table: list | None, depth_scale: float = 1.0,
-                seed: int = 0, recorded: dict[int, list[float]] | None = None) -> DepthPolicy:
+                seed: int = 0, recorded: dict[int, list[float]] | None = None,
+                explore: dict[str, float] | None = None) -> DepthPolicy:
     if name == "none":
         return FixedDepth(0)
     if (f := fixed_policy(name)) is not None:
         return FixedDepth(f[0])
     if name == "adaptive":
         # the traces are P-EAGLE's (its drafting is flat in depth): as the engine builds the policy for it
-        return AdaptiveDepth(K, table.start_up_model(depth_scale, recorded), explore=Exploration(seed=seed),
-                             flat_draft=True)
+        return AdaptiveDepth(K, table.start_up_model(depth_scale, recorded),
+                             explore=Exploration(seed=seed, **(explore or {})), flat_draft=True)
     if name == "adaptive_level":  # before the shape correction: the level only, no exploration
         policy = AdaptiveDepth(K, table.start_up_model(depth_scale, recorded))
         level_only(policy)
@@ -252,7 +253,7 @@ class _Request:
 
 def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: int, K: int, waves: int,
              max_tokens: int, seed: int, jitter: float = 0.0, min_requests: int = 0, joins: Joins = Joins(),
-             first_slot: int = 0, old_accounting: bool = False) -> dict[str, Any]:
+             first_slot: int = 0, old_accounting: bool = False, switch_s: float = 0.0) -> dict[str, Any]:
     """One closed-loop level; the same throughput window and TPOT as the engine sweep. `jitter`: each step's
     time is the table's times a uniform factor in 1 +- jitter (seeded: every policy sees the same draws).
     `first_slot`: the acceptance trace the level's first request replays (the sweep's replay hands traces out
@@ -260,7 +261,9 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
     As in the engine, the choice is the depth a step drafts for the next one (`draft_depth`: at least it), and a
     step verifies at most the drafts its requests hold (one k for all). `old_accounting`: the engine before it told
     the policy (the policy predicted, and its grid learnt, the depth it asked for, whatever was verified), for
-    before/after figures."""
+    before/after figures. `switch_s`: a decode step after a step of another shape (another batch size or k, or
+    one with prompt tokens) costs this much more: on the tiny pair's H200 probes a k = 7 step after one of another
+    shape took 57-90 us more, for every policy (docs/adaptive.md)."""
     n = max(C * waves, min_requests)
     noise = random.Random(seed + 7 * C)
     lengths = request_lengths(n, max_tokens, seed)
@@ -272,6 +275,7 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
     tokens_in_window = 0
     accepted_total = verifies = 0
     k_steps: dict[int, int] = {}
+    last_shape = None
     while admitted < n or active:
         while admitted < n and len(active) < C:
             # without prefill steps (prompt_len 0) a request decodes at once, as if its prompt step drafted K
@@ -298,6 +302,10 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
         prompt_tokens, first_tokens = _prefill(active, budget, joins)
         dt = (table.time(B, k, name) if B else table.time(1, 0, name)) + prompt_tokens * joins.seconds_per_token
         dt *= 1.0 + jitter * (2.0 * noise.random() - 1.0)
+        shape = (B, k) if B and not prompt_tokens else None  # None: not a graph's uniform decode step
+        if switch_s and shape is not None and shape != last_shape:
+            dt += switch_s
+        last_shape = shape
         accepted, emitted, finished = [], len(first_tokens), []
         for r, d in zip(decoding, drafts):
             acc = min(replay.run_length(r.id), d) if d else 0
@@ -361,6 +369,7 @@ def _prefill(active: list[_Request], budget: int, joins: Joins) -> tuple[int, li
 def run(a: argparse.Namespace) -> dict[str, Any]:
     src = json.loads(Path(a.start_up_grid).read_text()) if a.start_up_grid else None
     recorded = recorded_start_up_grid(src) if src is not None else None
+    explore = {f: float(v) for f, v in (item.split("=") for item in a.explore.split(",") if item)}
     if a.steps_from == "start-up-grid":  # the recorded profile as the true step costs too: no shape error
         if recorded is None:
             raise ValueError("--steps-from start-up-grid needs --start-up-grid")
@@ -410,9 +419,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 kk = 0 if name == "none" else (f[1] or f[0]) if f else K
                 runs = []
                 for seed in range(a.seed, a.seed + a.seeds):
-                    pol = make_policy(name, K, table, bt, a.start_up_depth_scale, seed, recorded)
+                    pol = make_policy(name, K, table, bt, a.start_up_depth_scale, seed, recorded, explore)
                     r = simulate(pol, name, table, trace, C, kk, a.waves, a.max_tokens, seed, a.step_jitter,
-                                 a.min_requests, joins, first_slots.get(C, 0), a.old_draft_accounting)
+                                 a.min_requests, joins, first_slots.get(C, 0), a.old_draft_accounting, a.switch_s)
                     if isinstance(pol, AdaptiveDepth) and pol.decisions:
                         r["explored_share"] = pol.explored / pol.decisions
                     runs.append(r)
@@ -425,7 +434,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             "machine": table.source.get("machine", {}), "step_table": {k: v for k, v in table.source.items()
                                                                      if k not in ("machine",)},
             "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
-            "waves": a.waves, "min_requests": a.min_requests, "step_jitter": a.step_jitter,
+            "waves": a.waves, "min_requests": a.min_requests, "step_jitter": a.step_jitter, "switch_s": a.switch_s,
+            "explore": explore,
             "start_up_depth_scale": a.start_up_depth_scale, "start_up_grid": a.start_up_grid,
             "steps_from": a.steps_from, "seeds": a.seeds, "prompt_len": a.prompt_len, "token_budget": a.token_budget,
             "prefill_s_per_token": a.prefill_s_per_token, "sweep_trace_order": a.sweep_trace_order,
@@ -512,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="hand acceptance traces out in the sweep's order (warm-up waves and earlier levels first)")
     ap.add_argument("--old-draft-accounting", action="store_true",
                     help="the engine before a step's choice and verified depth were told apart (before/after)")
+    ap.add_argument("--switch-s", type=float, default=0.0,
+                    help="added time of a decode step after a step of another shape (e.g. 7e-5: the tiny pair's H200)")
+    ap.add_argument("--explore", default="",
+                    help="the adaptive policy's exploration, FIELD=VALUE,... of `Exploration` (e.g. far=0.01,near=0.1)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--stem", default="adaptive_sim")
     a = ap.parse_args(argv)

@@ -5,6 +5,7 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
     python benchmarks/host_time.py --requests 64 --max-tokens 48 --policy adaptive --k 7
     python benchmarks/host_time.py --stop-filter        # one request's stop-string filter alone, as outputs grow
     python benchmarks/host_time.py --requests 8 --max-tokens 200 --policy adaptive --k 7 --device-busy
+    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy --closed-loop 300
 
 --device-busy: the runner reports its device busy after every launch, as a GPU step does, so the policy's `learn`
 runs inside `execute` (off the host's critical path on a GPU) and is timed on its own (`learn_us_per_step`); a
@@ -14,7 +15,8 @@ On the shipped tiny pair on a CPU the device step is slow, but the host work aro
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
 quarter of the steps (a cost that grows with the output's length shows in the last quarter), and the parts of
 it timed by wrapping them: the depth policy's `choose` + `observe`, the scheduler, appending tokens, the text
-updates (detokenizing). It only wraps methods, so the script also runs on older commits (copy it into a
+updates (detokenizing), and for the adaptive policy how many choices ranked afresh. `--closed-loop STEPS` keeps
+`--requests` in flight (each finished request replaced), so the batch size moves as in a serving engine. It only wraps methods, so the script also runs on older commits (copy it into a
 checkout's `benchmarks/` and run it there) for before/after figures.
 """
 from __future__ import annotations
@@ -36,16 +38,31 @@ from peagle_core.engine.llm_engine import LLMEngine  # noqa: E402
 from peagle_core.engine.output import TextState  # noqa: E402
 
 
-def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int, device_busy: bool = False
-            ) -> dict:
-    spec = {"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": k, "parallel_drafting": True}
-    if policy != "fixed":
-        spec["depth_policy"] = policy
-    engine = LLMEngine(parse_engine_config(model="tiny", device="cpu", dtype="float32", max_num_seqs=requests,
-                                           max_model_len=max_model_len, speculative_config=spec))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(requests):
-        engine.add_request(f"r{i}", f"def f{i}(n):", params)
+class Loop:
+    """The shipped tiny pair on the CPU (P-EAGLE at depth k, `policy` fixed or a depth-policy name) with `requests`
+    fixed-length requests in it; `add()` puts in one more (a closed loop replaces each finished one)."""
+
+    def __init__(self, requests: int, max_tokens: int, policy: str, k: int, max_model_len: int):
+        spec = {"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": k, "parallel_drafting": True}
+        if policy != "fixed":
+            spec["depth_policy"] = policy
+        self.engine = LLMEngine(parse_engine_config(model="tiny", device="cpu", dtype="float32",
+                                                    max_num_seqs=requests, max_model_len=max_model_len,
+                                                    speculative_config=spec))
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.added = 0
+        for _ in range(requests):
+            self.add()
+
+    def add(self) -> None:
+        self.engine.add_request(f"r{self.added}", f"def f{self.added}(n):", self.params)
+        self.added += 1
+
+
+def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int, device_busy: bool = False,
+            closed_loop: int = 0) -> dict:
+    loop = Loop(requests, max_tokens, policy, k, max_model_len)
+    engine, add = loop.engine, loop.add
     parts: dict[str, float] = {}
     wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "policy"),
                (engine.policy, "observe", "policy"), (engine.scheduler, "schedule", "schedule"),
@@ -53,15 +70,35 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
     if device_busy:
         engine.runner._device_busy = lambda: True  # `learn` runs inside execute, as on a GPU
         wrapped.append((engine.policy, "learn", "learn"))
+    ranked = [0]  # choices that ranked afresh (the adaptive policy's, where `learn` had no ranking for them)
+    if hasattr(engine.policy, "_rank"):
+        choose, rank, choosing = engine.policy.choose, engine.policy._rank, [False]
+
+        def counted_choose(info):
+            choosing[0] = True
+            try:
+                return choose(info)
+            finally:
+                choosing[0] = False
+
+        def counted_rank(*args, **kwargs):
+            ranked[0] += choosing[0]
+            return rank(*args, **kwargs)
+
+        engine.policy.choose, engine.policy._rank = counted_choose, counted_rank
     originals = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in wrapped]
     for obj, name, part in wrapped:
         timed(obj, name, part, parts)
     host = []
     try:
-        while engine.has_work():
+        while engine.has_work() and (not closed_loop or len(host) < closed_loop):
             executing, t0 = parts.get("execute", 0.0), time.perf_counter()
-            engine.step()
+            updates = engine.step()
             host.append(time.perf_counter() - t0 - (parts["execute"] - executing))
+            if closed_loop:  # a finished request's place taken by a new one: joins and a moving batch size
+                for u in updates:
+                    if u.req.finished:
+                        add()
     finally:  # unwrap (the class's method too: it outlives this engine)
         for obj, name, original in originals:
             if original is None:
@@ -73,7 +110,7 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
     return {"requests": requests, "max_tokens": max_tokens, "policy": policy, "k": k, "steps": len(host),
             "host_us_per_step": us(host), "first_quarter_us": us(host[:q]), "last_quarter_us": us(host[-q:]),
             **{f"{part}_us_per_step": round(1e6 * t / len(host), 1) for part, t in parts.items() if part != "execute"},
-            "torch": torch.__version__}
+            "choices_ranked": ranked[0], "closed_loop": bool(closed_loop), "torch": torch.__version__}
 
 
 def timed(obj, name: str, part: str, parts: dict[str, float]) -> None:
@@ -121,13 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--stop-filter", action="store_true", help="time the stop-string filter alone instead")
+    p.add_argument("--closed-loop", type=int, default=0, metavar="STEPS",
+                   help="replace each finished request by a new one, for STEPS steps (the batch size moves)")
     p.add_argument("--device-busy", action="store_true",
                    help="let the policy's learn run inside execute, as while a GPU works (timed apart)")
     a = p.parse_args(argv)
     if a.stop_filter:
         print(json.dumps(stop_filter_pushes()))
         return 0
-    print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len, a.device_busy)))
+    print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len, a.device_busy,
+                             a.closed_loop)))
     return 0
 
 

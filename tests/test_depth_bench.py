@@ -346,6 +346,29 @@ def test_the_simulated_level_has_the_sweeps_shape_step_for_step():
     assert old < 5
 
 
+def test_a_simulated_decode_step_after_another_shape_pays_the_switch_once():
+    """`--switch-s`: a decode step after a step of another shape (batch size or k) costs S more. One request
+    at a fixed k keeps its shape (a finished request's successor decodes at once without the joins model), so
+    only the level's first step pays; a depth that alternates pays on every step."""
+    sweep = json.loads(GRAPHED.read_text())
+    trace = S.Trace.load(TINY_TRACE)
+    table = adaptive_sim.StepTable(sweep, "min")
+
+    class Alternate(FixedDepth):
+        def choose(self, info):
+            self.k = 4 - self.k  # 1, 3, 1, ...
+            return self.k
+
+        def draft_depth(self, k):
+            return 3  # drafting 3 every step, so a step can verify 3 after one that verified 1
+
+    for policy, changes in ((lambda: FixedDepth(3), lambda steps: 1), (lambda: Alternate(3), lambda steps: steps)):
+        plain, charged = (adaptive_sim.simulate(policy(), "K3", table, trace, 1, 3, 2, 16, 0, switch_s=s)
+                          for s in (0.0, 1e-3))
+        assert charged["steps"] == plain["steps"]
+        assert charged["simulated_s"] - plain["simulated_s"] == pytest.approx(1e-3 * changes(plain["steps"]))
+
+
 def test_simulation_starts_the_adaptive_policy_from_a_sweeps_recorded_grid(tmp_path):
     """`--start-up-grid`: the grid the sweep's engines profiled (median over rounds) is the adaptive policy's
     start; `--steps-from start-up-grid` also makes it the simulated steps' cost (no shape error); `--seeds`

@@ -909,6 +909,48 @@ def test_rankings_serve_through_steps_without_learn_until_older_than_learn_ever_
     assert rows[-1][1] and sum(not r for _, r in rows) == limit - rows[0][0]  # then every choice ranks
 
 
+def test_a_round_keeps_the_last_rounds_rankings_so_a_batch_that_jumps_away_and_back_finds_its_own():
+    """In a closed loop a burst of finishes moves the batch by more than one request (64, 50, 44, 59, ... at 64
+    requests on the CPU), and back. A round keeps, besides its own sizes, the rankings made in the last `rank_every`
+    steps: a choice back at such a size only looks its ranking up. Older ones go, and a choice for one ranks
+    afresh. A ranking serves only the demand it was ranked for (or was checked against): one ranked while the
+    token budget bound is not taken for another demand."""
+    from peagle_core.spec.adaptive import RANK_EVERY
+
+    p = _cadence_policy()
+    calls = []
+    rank = p._rank
+    p._rank = lambda *a, **kw: (calls.append(where[0]), rank(*a, **kw))[1]
+    where = [""]
+
+    def step(B: int, requests: int | None = None, budget: int = 0) -> bool:
+        """One step at batch B; whether its choice ranked."""
+        info = StepInfo(B, 0, 7, num_requests=requests or B, token_budget=budget)
+        where[0], n = "choose", len(calls)
+        k = p.choose(info)
+        ranked = "choose" in calls[n:]
+        where[0] = "learn"
+        p.learn()
+        p.observe(info, StepOutcome(k, [(k, min(k, 5))] * B, p.times.step(B, k), B * (1 + k)))
+        return ranked
+
+    for _ in range(300):
+        step(8)
+    assert not step(8)
+    assert step(3)  # nothing prepared for 3 requests: ranks afresh (and `learn` then ranks 2 and 3)
+    assert not step(8)  # back: the ranking for 8 from the round before is still there
+    assert not step(3)  # and the one for 3 from the last round
+    for _ in range(2 * RANK_EVERY):
+        step(8)
+    assert step(3)  # two rounds later the ranking for 3 is gone
+    for _ in range(2 * RANK_EVERY):
+        step(8)
+    # ranked at 8 requests with no budget; at 8 verifying of 100 wanting a step with a 16-token budget the bound
+    # binds: the ranking for the unbounded demand does not serve
+    assert p.prepared[8].demand == (8, 0) and p.prepared[8].sustained is None
+    assert step(8, requests=100, budget=16)
+
+
 def test_learn_prepares_one_more_request_only_while_requests_wait_to_join():
     """A step verifies at most the requests in the engine now (running or waiting: a request arriving later needs its
     prompt first), so with none waiting a batch one larger cannot come next and is not ranked for."""
@@ -918,6 +960,7 @@ def test_learn_prepares_one_more_request_only_while_requests_wait_to_join():
     # (requests verifying, requests in the engine, batch sizes ranked for): at (1, 3) two are in their prompts
     for batch, requests, prepared in ((8, 8, [7, 8]), (8, 9, [7, 8, 9]), (1, 1, [1]), (1, 3, [1, 2])):
         p.choose(StepInfo(batch, 0, 7, num_requests=requests))
+        p.prepared.clear()  # what this round ranks (a round keeps younger rankings of other sizes besides)
         p.learn()
         assert sorted(p.prepared) == prepared, (requests, batch)
 

@@ -223,7 +223,9 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     assert "learn_us_per_step" not in r  # a CPU runner is never busy: the policy learns inside observe
     busy = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256, device_busy=True)
     assert busy["learn_us_per_step"] > 0  # --device-busy: learn ran inside execute, as while a GPU works
-
+    # --closed-loop: finished requests replaced, so it runs the steps asked for, past the first requests' end
+    loop = host_time.measure(requests=2, max_tokens=4, policy="adaptive", k=3, max_model_len=256, closed_loop=12)
+    assert loop["steps"] == 12 and loop["closed_loop"] and loop["choices_ranked"] >= 1  # the first had no ranking
 
 
 def test_start_up_freezes_the_heap_and_the_next_start_up_reclaims_a_dropped_engine(tiny_pair):
@@ -243,3 +245,16 @@ def test_start_up_freezes_the_heap_and_the_next_start_up_reclaims_a_dropped_engi
     assert gone() is None  # ... the next engine's start-up does, before sizing its KV cache
     second.shutdown()
     assert gc.get_freeze_count() == 0  # a shut-down engine is the collector's again
+
+
+def test_gc_pauses_benchmark_sees_the_frozen_heap_untracked_and_the_unfrozen_one_walked():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gc_pauses
+
+    frozen, unfrozen = (gc_pauses.serve(v, requests=2, steps=3, max_tokens=4, k=3) for v in ("frozen", "unfrozen"))
+    assert frozen["steps"] == unfrozen["steps"] == 3
+    # the engine's start-up objects: out of the collector's walks with the freeze, all of them in it without
+    assert 100 * frozen["tracked_objects"] < unfrozen["tracked_objects"]

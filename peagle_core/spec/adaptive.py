@@ -500,6 +500,8 @@ class Ranking:
     near: bool
     sustained: int | None = None  # requests the token budget keeps decoding at the best k, if it binds
     made: int = 0  # the policy's steps observed when it was ranked (its age: `AdaptiveDepth.choose`)
+    weight: float = 0.0  # the acceptance evidence it was ranked with (position 1's decayed count of judgements)
+    demand: tuple[int, int] = (0, 0)  # the requests and token budget it was ranked for (`_demand_of`)
 
 
 @dataclass
@@ -556,14 +558,13 @@ class AdaptiveDepth(DepthPolicy):
         self.decisions = self.explored = 0  # decode-step choices, and how many of them explored
         self.pending: int | None = None  # a deeper alternative drafted this step, to measure (verify) in the next
         self.unlearnt: list[tuple[int, int, float, int]] = []  # step times not yet in the model, until `learn`
-        self.prepared: dict[int, Ranking] = {}  # batch size -> ranking, worked out by `learn` for the next choice
+        # batch size -> ranking, worked out by `learn` for the next choices (kept until too old to serve: `choose`)
+        self.prepared: dict[int, Ranking] = {}
         self._demand = (0, 0)  # the last choice's (requests, token budget): what `learn` ranks for
-        self._prepared_weight = 0.0  # the acceptance evidence they were ranked with
         self._step: tuple | None = None  # the last step observed, not folded in yet (`observe`, `fold`)
         self.rank_every = max(1, rank_every)  # `learn`'s cadence, in steps
         self._steps = self._last_round = 0  # steps observed, and their count when `learn` last finished a round
         self._round: set[int] | None = None  # batch sizes ranked in a round `learn` has not finished (`busy`)
-        self._round_weight = 0.0  # the acceptance evidence that round started with
 
     def goodput(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         return batch * self.acceptance.expected_tokens(k) / self.times.step(batch, k, prefill_tokens)
@@ -601,7 +602,8 @@ class AdaptiveDepth(DepthPolicy):
                 if k != best and evidence[min(k, top)] < fresh and (alt is None or goodput[k] > goodput[alt]):
                     alt = k
         near = alt is not None and goodput[alt] >= (1.0 - self.explore.margin) * goodput[best]
-        return Ranking(rates, tokens, seconds, best, alt, near, sustained[best] if sustained else None, self._steps)
+        return Ranking(rates, tokens, seconds, best, alt, near, sustained[best] if sustained else None, self._steps,
+                       self.acceptance.reached[0], demand)
 
     @staticmethod
     def _demand_of(info: StepInfo, K: int) -> tuple[int, int]:
@@ -663,19 +665,21 @@ class AdaptiveDepth(DepthPolicy):
         # rankings age through steps without `learn` (host-bound steps: the device done before the host); one
         # older than `learn` ever leaves one (a round starts after `rank_every` steps and ends by STALE_ROUND x
         # that) says it has not been running
-        if r is not None and self._steps - r.made >= 2 * STALE_ROUND * self.rank_every:
+        if r is not None and self._steps - r.made >= self._max_age():
             r = None
-        if r is not None and demand != self._demand:  # ranked for another demand
+        if r is not None and demand != r.demand:  # ranked for another demand
             if r.sustained is not None:
                 r = None  # the budget bound it
             elif demand[1]:  # a budget to check now (0: unbounded, e.g. the backlog fits: no fold needed)
                 self.fold()  # the check reads the prompt share, which the last step moved
                 if self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None:
                     r = None  # it binds now
+            if r is not None:
+                r.demand = demand  # unbounded for this demand too: the next choice need not check again
         # ... unless that step was a large part of all the evidence (a level's first steps, where one more step
         # judged on the prior doubles a wrong early signal: tests/test_depth_policies.py); position 1 is judged
         # by every request that verifies, so its decayed count stands for the estimate's weight
-        if r is None or self._weight() > (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight:
+        if r is None or self._weight() > (1.0 + PREPARED_NEW_EVIDENCE) * r.weight:
             self.fold()
             r = self._rank(info.num_verify, K, info.num_prefill_tokens, demand=demand)
         self._demand, self.favourite = demand, r.best
@@ -698,6 +702,12 @@ class AdaptiveDepth(DepthPolicy):
                      "sustained_batch": r.sustained if r.sustained is not None else info.num_verify}
         self.last_rates = r.rates  # named in `describe` (metrics are polled; choices are made every step)
         return k
+
+    def _max_age(self) -> int:
+        """Steps after which a ranking no longer serves: older than `learn` ever leaves one (a round starts after
+        `rank_every` steps and ends by STALE_ROUND x that), so it has not been running (host-bound steps: the device
+        done before the host) or the batch size has not come back since."""
+        return 2 * STALE_ROUND * self.rank_every
 
     def draft_depth(self, k: int) -> int:
         return max(k, self.favourite) if self.flat_draft else k
@@ -798,17 +808,23 @@ class AdaptiveDepth(DepthPolicy):
         age = self._steps - self._last_round  # the steps since the last round ended
         # ... unless the next choice would rank afresh for the evidence it adds (the next step judges position 1
         # at most `batch` times): while the evidence grows fast, at a level's start, ranking stays here
-        if (self._round is None and age < self.rank_every and all(b in self.prepared for b in sizes)
-                and self.acceptance.reached[0] + batch <= (1.0 + PREPARED_NEW_EVIDENCE) * self._prepared_weight):
+        weight = self.acceptance.reached[0] + batch
+        if self._round is None and age < self.rank_every and all(
+                (r := self.prepared.get(b)) is not None and r.demand == self._demand
+                and weight <= (1.0 + PREPARED_NEW_EVIDENCE) * r.weight for b in sizes):
             return  # the last rankings serve
         forced = busy is None or age >= STALE_ROUND * self.rank_every
         if self._round is None:
             if not forced and not busy():
                 return
             self._learn_time()
-            self._round, self._round_weight = set(), self.acceptance.reached[0]
-            # other batch sizes' rankings are older than a round: a choice for one ranks afresh
-            self.prepared = {b: r for b, r in self.prepared.items() if b in sizes}
+            self._round = set()
+            # other batch sizes keep the rankings of the last round too: in a closed loop at 64 requests a burst of
+            # finishes moves the batch by more than one (64, 50, 44, 59, ...), and 37% of the choices found nothing
+            # prepared when a round kept only its own sizes (CPU, docs/adaptive.md); older ones go (a choice for
+            # one ranks afresh): kept longer, they chose less often as a fresh ranking would
+            self.prepared = {b: r for b, r in self.prepared.items()
+                             if b in sizes or self._steps - r.made < self.rank_every}
         expected = self._expected()
         for b in sizes:
             if b not in self._round:
@@ -816,9 +832,7 @@ class AdaptiveDepth(DepthPolicy):
                     return  # the device is done: the rest of the round waits for the next step's call
                 self.prepared[b] = self._rank(b, self.K, expected=expected, demand=self._demand)
                 self._round.add(b)
-        # the oldest ranking of the round stands for its evidence (a choice ranks afresh past it: `choose`)
-        self.prepared = {b: self.prepared[b] for b in self._round}
-        self._prepared_weight, self._last_round, self._round = self._round_weight, self._steps, None
+        self._last_round, self._round = self._steps, None
 
     def describe(self) -> dict[str, float]:
         self.fold()  # the metrics count every step, the last one before the engine idles too
