@@ -228,21 +228,43 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     assert loop["steps"] == 12 and loop["closed_loop"] and loop["choices_ranked"] >= 1  # the first had no ranking
 
 
-def test_start_up_freezes_the_heap_and_the_next_start_up_reclaims_a_dropped_engine(tiny_pair):
+class _Cycle:
+    """Garbage only the collector can free: it points at itself."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_start_up_freezes_the_heap_a_dropped_engine_is_freed_and_frozen_cycles_are_reclaimed(tiny_pair):
     import gc
     import weakref
 
-    first = LLM(tiny_pair["target"], device="cpu").engine
+    from peagle_core.engine.llm_engine import reclaim_dropped_engines
+
+    engine = LLM(tiny_pair["target"], device="cpu").engine
     # what start-up built is out of the collector's walks: a full collection no longer visits it
     assert gc.get_freeze_count() > 0
-    assert not any(o is first.runner for o in gc.get_objects())
-    first.me = first  # a reference cycle through the frozen engine (a CUDA engine's graph runner makes one)
-    gone = weakref.ref(first)
-    del first
+    assert not any(o is engine.runner for o in gc.get_objects())
+    # a CPU engine has no reference cycle: dropped, reference counting frees it, frozen as it is (a CPU start-up
+    # does not unfreeze to collect dropped engines, so an engine with a cycle would stay until `shutdown`)
+    gone = weakref.ref(engine.runner)
+    gc.disable()
+    try:
+        del engine
+        assert gone() is None
+    finally:
+        gc.enable()
+    # a CUDA engine's graphs make a cycle: its start-up reclaims what froze with the engines dropped before it
+    cycle = _Cycle()
+    gc.freeze()
+    gone = weakref.ref(cycle)
+    del cycle
     gc.collect()
     assert gone() is not None  # frozen: a collection does not free it ...
+    reclaim_dropped_engines()
+    assert gone() is None  # ... the reclaim does
     second = LLM(tiny_pair["target"], device="cpu").engine
-    assert gone() is None  # ... the next engine's start-up does, before sizing its KV cache
+    assert gc.get_freeze_count() > 0
     second.shutdown()
     assert gc.get_freeze_count() == 0  # a shut-down engine is the collector's again
 

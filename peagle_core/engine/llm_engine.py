@@ -57,17 +57,19 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> float:
     return 2 * 2**30
 
 
-def reclaim_dropped_engines(device: torch.device) -> None:
-    """Collect what engines dropped since the last start-up left, before this one sizes its KV cache from the free
-    memory: their start-up froze them (`freeze_heap`), so the collector never saw their reference cycles (a CUDA
-    engine's graph runner and its model runner point at each other). A process that builds engine after engine
-    (tests, benchmarks) would otherwise keep every old one."""
+def reclaim_dropped_engines() -> None:
+    """Collect what CUDA engines dropped since the last start-up left, before this one loads weights and sizes its KV
+    cache from the free memory: their start-up froze them (`freeze_heap`), so the collector never saw their
+    reference cycles (the graph runner and the model runner point at each other), and the device memory they hold
+    would stay taken. A process that builds engine after engine (the benchmarks' rounds) would run out. (A CPU
+    engine has no cycle: reference counting frees it, frozen or not, and a test checks it. Unfreezing there at
+    every start-up makes each start-up's collection walk the whole heap again: tests/test_engine.py and
+    test_cluster_app.py took 35 s that way against 23 s.)"""
     if not gc.get_freeze_count():
         return
     gc.unfreeze()
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the allocator's cached blocks count as used in the free memory the budget reads
+    torch.cuda.empty_cache()  # the allocator's cached blocks count as used in the free memory the budget reads
 
 
 def freeze_heap() -> None:
@@ -75,7 +77,7 @@ def freeze_heap() -> None:
     the tiny pair) into the collector's permanent generation, after one last collection. A full collection walks
     every tracked object: 130 ms on this project's CPU and 175-212 ms on the H200 host mid-level, one step's stall
     every few seconds at 64 requests (policy_overhead_*_c64.json; vLLM freezes after start-up for the same reason).
-    After the freeze it walks only what serving made since (a full collection of the tiny engine's heap: 0.006 ms)."""
+    After the freeze it walks only what serving made since (one full collection: 0.05 ms, gc_pauses_cpu.json)."""
     gc.collect()
     gc.freeze()
 
@@ -95,7 +97,8 @@ class LLMEngine:
     def __init__(self, cfg: EngineConfig, policy: DepthPolicy | None = None):
         self.config = cfg
         self.device, self.dtype = resolve_device_dtype(cfg)
-        reclaim_dropped_engines(self.device)
+        if self.device.type == "cuda":
+            reclaim_dropped_engines()
         torch.manual_seed(cfg.seed)
         path = resolve(cfg.model)
         self.tokenizer = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path)
