@@ -254,7 +254,7 @@ def test_start_up_freezes_the_heap_a_dropped_engine_is_freed_and_frozen_cycles_a
         assert gone() is None
     finally:
         gc.enable()
-    # a CUDA engine's graphs make a cycle: its start-up reclaims what froze with the engines dropped before it
+    # a reference cycle frozen with a dropped engine: a CUDA start-up reclaims it before sizing its KV cache
     cycle = _Cycle()
     gc.freeze()
     gone = weakref.ref(cycle)

@@ -58,13 +58,13 @@ def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> float:
 
 
 def reclaim_dropped_engines() -> None:
-    """Collect what CUDA engines dropped since the last start-up left, before this one loads weights and sizes its KV
-    cache from the free memory: their start-up froze them (`freeze_heap`), so the collector never saw their
-    reference cycles (the graph runner and the model runner point at each other), and the device memory they hold
-    would stay taken. A process that builds engine after engine (the benchmarks' rounds) would run out. (A CPU
-    engine has no cycle: reference counting frees it, frozen or not, and a test checks it. Unfreezing there at
-    every start-up makes each start-up's collection walk the whole heap again: tests/test_engine.py and
-    test_cluster_app.py took 35 s that way against 23 s.)"""
+    """Collect what engines dropped since the last start-up left, before a CUDA engine loads weights and sizes its KV
+    cache from the free memory. Their start-up froze them (`freeze_heap`), so a reference cycle among their objects
+    would never be collected, and the device memory behind it would stay taken (none is known: the graph runner
+    keeps no reference to its runner for this reason; this is the safety net for a process that builds engine after
+    engine, like the benchmarks' rounds). Not on a CPU: a test checks that reference counting frees a dropped CPU
+    engine, frozen or not, and unfreezing at every start-up makes each start-up's collection walk the whole heap
+    again (tests/test_engine.py and test_cluster_app.py took 35 s that way against 23 s)."""
     if not gc.get_freeze_count():
         return
     gc.unfreeze()
