@@ -57,6 +57,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from gc_pauses import Pauses
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_FORMAT = "peagle-acceptance-trace/1"
 STEPS_FORMAT = "peagle-step-times/1"
@@ -512,27 +514,28 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
     window_start = window_end = None
     tokens_in_window, tokens_total, steps = 0, 0, 0
     executing = engine.execute_seconds
-    t0 = time.perf_counter()
-    while pending or engine.has_work():
-        while pending and inflight < C:
-            i = pending.popleft()
-            sp = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
-            reqs.append(engine.add_request(f"{tag}{C}-{i}", prompts[i % len(prompts)], sp))
-            inflight += 1
-            if not pending:
-                window_end = time.perf_counter()
-        updates = engine.step()
-        now = time.perf_counter()
-        steps += 1
-        emitted = sum(len(u.new_token_ids) for u in updates)
-        tokens_total += emitted
-        if window_start is not None and window_end is None:
-            tokens_in_window += emitted
-        finished = sum(1 for u in updates if u.req.finished)
-        inflight -= finished
-        if finished and window_start is None:
-            window_start = now
-    wall = time.perf_counter() - t0
+    with Pauses() as paused:  # the collector's pauses in the level (a full collection stalls a whole step)
+        t0 = time.perf_counter()
+        while pending or engine.has_work():
+            while pending and inflight < C:
+                i = pending.popleft()
+                sp = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+                reqs.append(engine.add_request(f"{tag}{C}-{i}", prompts[i % len(prompts)], sp))
+                inflight += 1
+                if not pending:
+                    window_end = time.perf_counter()
+            updates = engine.step()
+            now = time.perf_counter()
+            steps += 1
+            emitted = sum(len(u.new_token_ids) for u in updates)
+            tokens_total += emitted
+            if window_start is not None and window_end is None:
+                tokens_in_window += emitted
+            finished = sum(1 for u in updates if u.req.finished)
+            inflight -= finished
+            if finished and window_start is None:
+                window_start = now
+        wall = time.perf_counter() - t0
     host = wall - (engine.execute_seconds - executing)  # the loop's time outside the device steps
     if window_start is not None and window_end is not None and window_end > window_start and tokens_in_window:
         throughput, window = tokens_in_window / (window_end - window_start), window_end - window_start
@@ -544,7 +547,8 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
             "tpot_ms_p50": 1e3 * statistics.median(tpots) if tpots else None,
             "tpot_ms_p90": 1e3 * _quantile(tpots, 0.9) if tpots else None,
             "requests": n, "output_tokens": tokens_total, "steps": steps, "wall_s": wall, "window_s": window,
-            "host_ms_per_step": 1e3 * host / steps if steps else 0.0}
+            "host_ms_per_step": 1e3 * host / steps if steps else 0.0,
+            "gc_ms": paused.total_ms(), "gc_max_ms": paused.max_ms()}
 
 
 def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slice_steps: int, cycles: int,
@@ -607,7 +611,7 @@ def run_paired(engine, policies: dict[str, Any], prompts: list, C: int, episodes
     order, names = random.Random(seed + 1), list(policies)
     n = max(C * waves, min_requests)
     got = {p: {"tokens": 0, "seconds": 0.0, "steps": 0, "host_seconds": 0.0, "tpots": [], "requests": 0,
-               "stats": SpecDecodeStats()} for p in names}
+               "gc_ms": 0.0, "gc_max_ms": 0.0, "stats": SpecDecodeStats()} for p in names}
     for e in range(episodes):
         shift = e * n % len(prompts)
         workload = prompts[shift:] + prompts[:shift]
@@ -622,6 +626,8 @@ def run_paired(engine, policies: dict[str, Any], prompts: list, C: int, episodes
             g["steps"] += r["steps"]
             g["host_seconds"] += r["host_ms_per_step"] * r["steps"] / 1e3
             g["requests"] += r["requests"]
+            g["gc_ms"] += r["gc_ms"]
+            g["gc_max_ms"] = max(g["gc_max_ms"], r["gc_max_ms"])
             if r["tpot_ms_mean"] is not None:
                 g["tpots"].append(r["tpot_ms_mean"])
     return got
@@ -967,7 +973,8 @@ def together_cells(a: argparse.Namespace, order: list[str], models: "Models", ma
                         "tpot_ms_p50": None, "tpot_ms_p90": None, "requests": g.get("requests"),
                         "output_tokens": g["tokens"], "steps": g["steps"], "wall_s": g["seconds"],
                         "window_s": g["seconds"],
-                        "host_ms_per_step": 1e3 * g["host_seconds"] / g["steps"] if g["steps"] else 0.0}
+                        "host_ms_per_step": 1e3 * g["host_seconds"] / g["steps"] if g["steps"] else 0.0,
+                        "gc_ms": g.get("gc_ms"), "gc_max_ms": g.get("gc_max_ms")}
                 cell.update(cell_summary(engine))
                 cells.append(cell)
                 (out / "cells" / f"{p}_c{C}_r{rnd}.json").write_text(json.dumps(cell, indent=1))

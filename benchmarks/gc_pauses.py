@@ -25,34 +25,48 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from host_time import Loop  # noqa: E402
+
+class Pauses:
+    """The garbage collector's pauses while inside the `with` block: (generation, seconds) for each collection."""
+
+    def __enter__(self) -> "Pauses":
+        self.pauses: list[tuple[int, float]] = []
+        self._started: list[float] = []
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started.append(time.perf_counter())
+        elif self._started:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started.pop()))
+
+    def total_ms(self) -> float:
+        return 1e3 * sum(s for _, s in self.pauses)
+
+    def max_ms(self) -> float:
+        return 1e3 * max((s for _, s in self.pauses), default=0.0)
 
 
 def serve(variant: str, requests: int, steps: int, max_tokens: int, k: int) -> dict:
+    from host_time import Loop  # here: `Pauses` is imported by the sweep without the engine's modules
+
     loop = Loop(requests, max_tokens, "fixed", k, 1024)
     engine = loop.engine
     if variant == "unfrozen":
         gc.unfreeze()
-    pauses: list[tuple[int, float]] = []
-    started: list[float] = []
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started.append(time.perf_counter())
-        elif started:
-            pauses.append((info["generation"], time.perf_counter() - started.pop()))
-
     step_s = []
-    gc.callbacks.append(on_gc)
-    try:
+    with Pauses() as collections:
         for _ in range(steps):
             t0 = time.perf_counter()
             for u in engine.step():
                 if u.req.finished:
                     loop.add()
             step_s.append(time.perf_counter() - t0)
-    finally:
-        gc.callbacks.remove(on_gc)
+    pauses = collections.pauses
     tracked = len(gc.get_objects())
     t0 = time.perf_counter()
     gc.collect()  # the pause a full collection costs now, mid-serving: what the collector walks

@@ -481,6 +481,27 @@ def test_switchback_takes_turns_and_charges_each_policy_its_own_turns():
     assert len(engine.aborted) == 3 and not engine.live
 
 
+def test_a_level_reports_the_collectors_pauses_and_the_paired_cells_add_them_up():
+    """A full collection stalls a whole step (175-212 ms on the H200 probes before the engine froze its heap): each
+    level records the collector's pauses in it (their sum and the longest), and a paired cell sums its episodes'
+    and keeps the longest."""
+    import gc
+
+    def collecting_engine(at_steps: set[int]) -> _CountingEngine:
+        engine = _CountingEngine()
+        step = engine.step
+        engine.step = lambda: (gc.collect() if len(engine.ran) in at_steps else None, step())[1]
+        return engine
+
+    r = S.run_level(collecting_engine({2}), [[1]], C=2, waves=2, max_tokens=3, seed=0)
+    assert r["gc_max_ms"] > 0 and r["gc_ms"] >= r["gc_max_ms"]
+    # two episodes of at least 1 + 1 steps: two collections, at the first and the third step
+    got = S.run_paired(collecting_engine({0, 2}), {"K1": "p1"}, [[1]], C=1, episodes=2, waves=1, max_tokens=2,
+                       seed=0)
+    assert got["K1"]["steps"] >= 3
+    assert got["K1"]["gc_ms"] > got["K1"]["gc_max_ms"] > 0  # the sum of both, the longer one
+
+
 def test_paired_episodes_give_every_policy_the_same_workload_in_a_shuffled_order():
     """Each episode is one workload (prompts and output lengths) that every policy runs from an idle engine, in an
     order drawn afresh each episode; each policy is charged its own episodes, and the episodes differ (the prompt
