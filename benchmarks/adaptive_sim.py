@@ -366,10 +366,25 @@ def _prefill(active: list[_Request], budget: int, joins: Joins) -> tuple[int, li
     return fed, done
 
 
+def parse_explore(text: str) -> dict[str, float]:
+    """`--explore`'s FIELD=VALUE,... as `Exploration` keyword arguments (a plain ValueError for anything else)."""
+    fields = {f for f in Exploration.__dataclass_fields__ if f != "seed"}
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields:
+            raise ValueError(f"--explore takes FIELD=VALUE items with FIELD one of {sorted(fields)}, got {item!r}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--explore {name} needs a number, got {value!r}") from None
+    return out
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     src = json.loads(Path(a.start_up_grid).read_text()) if a.start_up_grid else None
     recorded = recorded_start_up_grid(src) if src is not None else None
-    explore = {f: float(v) for f, v in (item.split("=") for item in a.explore.split(",") if item)}
+    explore = parse_explore(a.explore)
     if a.steps_from == "start-up-grid":  # the recorded profile as the true step costs too: no shape error
         if recorded is None:
             raise ValueError("--steps-from start-up-grid needs --start-up-grid")
@@ -469,6 +484,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                          if a.start_up_depth_scale != 1.0 else "")
                       + (f" Step times jittered by a uniform factor in 1 +- {a.step_jitter:g} per step (seeded)."
                          if a.step_jitter else "")
+                      + (f" A decode step after a step of another shape costs {1e6 * a.switch_s:g} us more (a CUDA "
+                         "graph switch)." if a.switch_s else "")
+                      + (f" The adaptive policy explores with {explore} (the other `Exploration` fields at their "
+                         "defaults)." if explore else "")
                       + (" adaptive_level = the adaptive policy before the shape correction (level-only grid "
                          "correction, no exploration)." if "adaptive_level" in a.policies else "")]}
 

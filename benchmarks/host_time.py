@@ -5,7 +5,8 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
     python benchmarks/host_time.py --requests 64 --max-tokens 48 --policy adaptive --k 7
     python benchmarks/host_time.py --stop-filter        # one request's stop-string filter alone, as outputs grow
     python benchmarks/host_time.py --requests 8 --max-tokens 200 --policy adaptive --k 7 --device-busy
-    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy --closed-loop 300
+    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \\
+        --closed-loop 300
 
 --device-busy: the runner reports its device busy after every launch, as a GPU step does, so the policy's `learn`
 runs inside `execute` (off the host's critical path on a GPU) and is timed on its own (`learn_us_per_step`); a
@@ -16,8 +17,9 @@ a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and 
 quarter of the steps (a cost that grows with the output's length shows in the last quarter), and the parts of
 it timed by wrapping them: the depth policy's `choose` + `observe`, the scheduler, appending tokens, the text
 updates (detokenizing), and for the adaptive policy how many choices ranked afresh. `--closed-loop STEPS` keeps
-`--requests` in flight (each finished request replaced), so the batch size moves as in a serving engine. It only wraps methods, so the script also runs on older commits (copy it into a
-checkout's `benchmarks/` and run it there) for before/after figures.
+`--requests` in flight (each finished request replaced), so the batch size moves as in a serving engine. It only
+wraps methods, so the script also runs on older commits (copy it into a checkout's `benchmarks/` and run it there)
+for before/after figures.
 """
 from __future__ import annotations
 

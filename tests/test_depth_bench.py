@@ -349,7 +349,8 @@ def test_the_simulated_level_has_the_sweeps_shape_step_for_step():
 def test_a_simulated_decode_step_after_another_shape_pays_the_switch_once():
     """`--switch-s`: a decode step after a step of another shape (batch size or k) costs S more. One request
     at a fixed k keeps its shape (a finished request's successor decodes at once without the joins model), so
-    only the level's first step pays; a depth that alternates pays on every step."""
+    only the level's first step pays; a depth that alternates pays on every step. `--explore` takes the
+    exploration's fields and nothing else."""
     sweep = json.loads(GRAPHED.read_text())
     trace = S.Trace.load(TINY_TRACE)
     table = adaptive_sim.StepTable(sweep, "min")
@@ -367,6 +368,10 @@ def test_a_simulated_decode_step_after_another_shape_pays_the_switch_once():
                           for s in (0.0, 1e-3))
         assert charged["steps"] == plain["steps"]
         assert charged["simulated_s"] - plain["simulated_s"] == pytest.approx(1e-3 * changes(plain["steps"]))
+    assert adaptive_sim.parse_explore("far=0.01,near=0.1") == {"far": 0.01, "near": 0.1}
+    for bad in ("farr=1", "far", "far=x", "seed=3"):  # a clear error (exit 2), not a traceback
+        with pytest.raises(ValueError, match="--explore"):
+            adaptive_sim.parse_explore(bad)
 
 
 def test_simulation_starts_the_adaptive_policy_from_a_sweeps_recorded_grid(tmp_path):
