@@ -75,8 +75,8 @@ def reclaim_dropped_engines() -> None:
 def freeze_heap() -> None:
     """Move every object alive after start-up (weights' modules, tokenizer tables, graphs' bookkeeping: ~300 k on
     the tiny pair) into the collector's permanent generation, after one last collection. A full collection walks
-    every tracked object: 130 ms on this project's CPU and 175-212 ms on the H200 host mid-level, one step's stall
-    every few seconds at 64 requests (policy_overhead_*_c64.json; vLLM freezes after start-up for the same reason).
+    every tracked object: 110-130 ms on this project's CPU; on the H200 host a single step stalled 175-212 ms, about
+    once in 2000 steps at 64 requests (policy_overhead_*_c64.json; vLLM freezes after start-up for the same reason).
     After the freeze it walks only what serving made since (one full collection: 0.05 ms, gc_pauses_cpu.json)."""
     gc.collect()
     gc.freeze()

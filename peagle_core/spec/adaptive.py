@@ -819,7 +819,7 @@ class AdaptiveDepth(DepthPolicy):
                 return
             self._learn_time()
             self._round = set()
-            # other batch sizes keep the rankings of the last round too: in a closed loop at 64 requests a burst of
+            # other batch sizes keep their rankings made in the last `rank_every` steps: at 64 requests a burst of
             # finishes moves the batch by more than one (64, 50, 44, 59, ...), and 37% of the choices found nothing
             # prepared when a round kept only its own sizes (CPU, docs/adaptive.md); older ones go (a choice for
             # one ranks afresh): kept longer, they chose less often as a fresh ranking would
