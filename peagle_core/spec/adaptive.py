@@ -662,9 +662,7 @@ class AdaptiveDepth(DepthPolicy):
         verifiable = min(info.verifiable, K)
         demand = self._demand_of(info, K)
         r = self.prepared.get(info.num_verify) if not info.num_prefill_tokens and K == self.K else None
-        # rankings age through steps without `learn` (host-bound steps: the device done before the host); one
-        # older than `learn` ever leaves one (a round starts after `rank_every` steps and ends by STALE_ROUND x
-        # that) says it has not been running
+        # rankings age through steps without `learn` (host-bound steps: the device done before the host)
         if r is not None and self._steps - r.made >= self._max_age():
             r = None
         if r is not None and demand != r.demand:  # ranked for another demand
