@@ -7,10 +7,14 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
     python benchmarks/host_time.py --requests 8 --max-tokens 200 --policy adaptive --k 7 --device-busy
     python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \\
         --closed-loop 300
+    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \
+        --busy-share 0.5 --closed-loop 300
 
 --device-busy: the runner reports its device busy after every launch, as a GPU step does, so the policy's `learn`
 runs inside `execute` (off the host's critical path on a GPU) and is timed on its own (`learn_us_per_step`); a
-CPU never runs it otherwise, and `observe` learns instead.
+CPU never runs it otherwise, and `observe` learns instead. `--busy-share P`: busy after a launch with probability
+P only (seeded), as on the tiny pair's H200 host, where the device is often done first in steps with prompt chunks
+and the choices after them find no ranking prepared.
 
 On the shipped tiny pair on a CPU the device step is slow, but the host work around it is the same Python as on
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
@@ -62,15 +66,18 @@ class Loop:
 
 
 def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int, device_busy: bool = False,
-            closed_loop: int = 0) -> dict:
+            closed_loop: int = 0, busy_share: float = 1.0) -> dict:
     loop = Loop(requests, max_tokens, policy, k, max_model_len)
     engine, add = loop.engine, loop.add
     parts: dict[str, float] = {}
-    wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "policy"),
-               (engine.policy, "observe", "policy"), (engine.scheduler, "schedule", "schedule"),
+    wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "choose"),
+               (engine.policy, "observe", "observe"), (engine.scheduler, "schedule", "schedule"),
                (engine, "_append", "append"), (TextState, "update", "text")]
     if device_busy:
-        engine.runner._device_busy = lambda: True  # `learn` runs inside execute, as on a GPU
+        import random
+
+        rng = random.Random(0)  # `learn` runs inside execute, as on a GPU (where the device is still busy)
+        engine.runner._device_busy = lambda: busy_share >= 1.0 or rng.random() < busy_share
         wrapped.append((engine.policy, "learn", "learn"))
     ranked = [0]  # choices that ranked afresh (the adaptive policy's, where `learn` had no ranking for them)
     if hasattr(engine.policy, "_rank"):
@@ -112,6 +119,7 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
     return {"requests": requests, "max_tokens": max_tokens, "policy": policy, "k": k, "steps": len(host),
             "host_us_per_step": us(host), "first_quarter_us": us(host[:q]), "last_quarter_us": us(host[-q:]),
             **{f"{part}_us_per_step": round(1e6 * t / len(host), 1) for part, t in parts.items() if part != "execute"},
+            "policy_us_per_step": round(1e6 * (parts.get("choose", 0.0) + parts.get("observe", 0.0)) / len(host), 1),
             "choices_ranked": ranked[0], "closed_loop": bool(closed_loop), "torch": torch.__version__}
 
 
@@ -164,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace each finished request by a new one, for STEPS steps (the batch size moves)")
     p.add_argument("--device-busy", action="store_true",
                    help="let the policy's learn run inside execute, as while a GPU works (timed apart)")
+    p.add_argument("--busy-share", type=float, default=1.0, metavar="P",
+                   help="with --device-busy: the device still busy after a launch with probability P only")
     a = p.parse_args(argv)
     if a.stop_filter:
         print(json.dumps(stop_filter_pushes()))
         return 0
     print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len, a.device_busy,
-                             a.closed_loop)))
+                             a.closed_loop, a.busy_share)))
     return 0
 
 
