@@ -671,7 +671,8 @@ class AdaptiveDepth(DepthPolicy):
             if r.sustained is not None:
                 r = None  # the budget bound it
             elif demand[1]:  # a budget to check now (0: unbounded, e.g. the backlog fits: no fold needed)
-                self.fold()  # the check reads the prompt share, which the last step moved
+                # the check reads the prompt share, which the last step moved (the step times: below)
+                self.fold(learn_times=self.rank_every == 1)
                 if self._sustained(r.tokens, K, min(self.k_min, K), *demand) is not None:
                     r = None  # it binds now
             if r is not None:
