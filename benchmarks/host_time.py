@@ -7,7 +7,7 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
     python benchmarks/host_time.py --requests 8 --max-tokens 200 --policy adaptive --k 7 --device-busy
     python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \\
         --closed-loop 300
-    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \
+    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \\
         --busy-share 0.5 --closed-loop 300
 
 --device-busy: the runner reports its device busy after every launch, as a GPU step does, so the policy's `learn`
@@ -20,7 +20,8 @@ On the shipped tiny pair on a CPU the device step is slow, but the host work aro
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
 quarter of the steps (a cost that grows with the output's length shows in the last quarter), and the parts of
 it timed by wrapping them: the depth policy's `choose` + `observe`, the scheduler, appending tokens, the text
-updates (detokenizing), and for the adaptive policy how many choices ranked afresh. `--closed-loop STEPS` keeps
+updates (detokenizing), and for the adaptive policy how many choices ranked afresh and the median time of a
+choice that ranked and of one that looked its ranking up (`choose_us_median`). `--closed-loop STEPS` keeps
 `--requests` in flight (each finished request replaced), so the batch size moves as in a serving engine. It only
 wraps methods, so the script also runs on older commits (copy it into a checkout's `benchmarks/` and run it there)
 for before/after figures.
@@ -30,6 +31,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,20 +77,21 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
                (engine.policy, "observe", "observe"), (engine.scheduler, "schedule", "schedule"),
                (engine, "_append", "append"), (TextState, "update", "text")]
     if device_busy:
-        import random
-
         rng = random.Random(0)  # `learn` runs inside execute, as on a GPU (where the device is still busy)
         engine.runner._device_busy = lambda: busy_share >= 1.0 or rng.random() < busy_share
         wrapped.append((engine.policy, "learn", "learn"))
     ranked = [0]  # choices that ranked afresh (the adaptive policy's, where `learn` had no ranking for them)
+    choices: dict[str, list[float]] = {"ranked": [], "looked_up": []}  # each choice's seconds, by which it did
     if hasattr(engine.policy, "_rank"):
         choose, rank, choosing = engine.policy.choose, engine.policy._rank, [False]
 
         def counted_choose(info):
-            choosing[0] = True
+            choosing[0], before = True, ranked[0]
+            t0 = time.perf_counter()
             try:
                 return choose(info)
             finally:
+                choices["ranked" if ranked[0] > before else "looked_up"].append(time.perf_counter() - t0)
                 choosing[0] = False
 
         def counted_rank(*args, **kwargs):
@@ -120,7 +124,9 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
             "host_us_per_step": us(host), "first_quarter_us": us(host[:q]), "last_quarter_us": us(host[-q:]),
             **{f"{part}_us_per_step": round(1e6 * t / len(host), 1) for part, t in parts.items() if part != "execute"},
             "policy_us_per_step": round(1e6 * (parts.get("choose", 0.0) + parts.get("observe", 0.0)) / len(host), 1),
-            "choices_ranked": ranked[0], "closed_loop": bool(closed_loop), "torch": torch.__version__}
+            "choices_ranked": ranked[0],
+            "choose_us_median": {w: round(1e6 * statistics.median(t), 1) for w, t in choices.items() if t},
+            "closed_loop": bool(closed_loop), "torch": torch.__version__}
 
 
 def timed(obj, name: str, part: str, parts: dict[str, float]) -> None:

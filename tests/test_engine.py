@@ -229,6 +229,7 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     # --closed-loop: finished requests replaced, so it runs the steps asked for, past the first requests' end
     loop = host_time.measure(requests=2, max_tokens=4, policy="adaptive", k=3, max_model_len=256, closed_loop=12)
     assert loop["steps"] == 12 and loop["closed_loop"] and loop["choices_ranked"] >= 1  # the first had no ranking
+    assert loop["choose_us_median"]["ranked"] > 0  # and its time is counted with those that ranked
 
 
 class _Cycle:
