@@ -156,6 +156,7 @@ def test_adaptive_on_a_step_grid_picks_zero_k_and_full_depth_at_the_extremes():
     brute = max(range(8), key=lambda k: (1 - 0.9 ** (k + 1)) / 0.1 / (20.0 + 10.0 * k))
     assert k64 == brute and k64 < 7                         # costly at batch 64: the argmax, not K
     p.acceptance.accepted = [0.0] * 7
+    p.prepared.clear()  # the choice's ranking serves the next ones; an estimate set by hand is no step observed
     assert p.choose(StepInfo(64, 0, 7)) == 0
 
 
@@ -766,6 +767,54 @@ def _cadence_policy(rank_every: int | None = None) -> AdaptiveDepth:
                          explore=Exploration.off(), rank_every=RANK_EVERY if rank_every is None else rank_every)
 
 
+class _FoldsAtEveryStep(AdaptiveDepth):
+    """The policy as it was before `observe` left its folds to later: a step `learn` did not fold is folded when
+    the next one is observed."""
+
+    def observe(self, info, outcome):
+        self.fold()
+        super().observe(info, outcome)
+
+
+def test_steps_kept_through_steps_without_learn_fold_later_into_the_same_choices_and_state():
+    """`observe` keeps every step `learn` has not folded (host-bound steps: the device done first) and folds them
+    later, in order. A random run (batch sizes moving, a budget that binds at times, acceptance drifting, the device
+    busy in a random half of the steps, exploring on) against the policy folding at every step: the same choice at
+    every step, and the same estimate, step-time model and metrics at the end."""
+    import random
+
+    from peagle_core.spec.adaptive import StepGrid
+
+    def grid():
+        return StepGrid({b: [1.0 + 0.05 * b + 0.02 * b * k for k in range(8)] for b in (1, 8, 32)})
+
+    new, old = AdaptiveDepth(7, grid()), _FoldsAtEveryStep(7, grid())
+    rng = random.Random(3)
+    batch, kept_most = 8, 0
+    for i in range(600):
+        batch = max(1, min(32, batch + rng.choice((-3, -1, 0, 0, 1, 2))))
+        info = StepInfo(batch, 0, 7, drafts=7, num_requests=batch + rng.choice((0, 0, 4)),
+                        token_budget=rng.choice((0, 0, 96)), prompt_backlog=rng.choice((0, 40)))
+        k = new.choose(info)
+        assert k == old.choose(info), i
+        if rng.random() < 0.5:  # the device still busy after the launches: `learn` runs in both
+            new.learn()
+            old.learn()
+        rate = 0.9 if (i // 150) % 2 == 0 else 0.4  # acceptance drifting between two regimes
+        accepted = [(k, next((j for j in range(k) if rng.random() > rate), k)) for _ in range(batch)] if k else []
+        prompt = rng.choice((0, 0, 0, 24))  # prompt tokens in the step now and then: not a decode step
+        outcome = StepOutcome(k, accepted, (1.0 + 0.05 * batch + 0.03 * batch * k) * rng.uniform(0.9, 1.1),
+                              batch * (1 + k) + prompt)
+        new.observe(info, outcome)
+        old.observe(info, outcome)
+        kept_most = max(kept_most, len(new._kept))
+    assert kept_most >= 3  # runs without `learn` kept several steps
+    assert new.describe() == old.describe()
+    assert new.acceptance.reached == old.acceptance.reached and new.acceptance.accepted == old.acceptance.accepted
+    assert new.times.rows == old.times.rows and new.times.shape == old.times.shape
+    assert new.explored == old.explored > 0
+
+
 def test_learn_ranks_once_in_rank_every_steps_and_a_change_in_acceptance_is_followed_within_them():
     """On a host-bound engine `learn` outlasted the device's work (docs/adaptive.md), so in a steady state it ranks
     and folds the step times in once in RANK_EVERY steps, the times of one shape in one update; the choices do not
@@ -881,8 +930,9 @@ def test_rankings_serve_through_steps_without_learn_until_older_than_learn_ever_
     """The engine skips `learn` where the device is done before the host (steps with prompt chunks on the tiny
     pair: ~45% of the steps at 64 requests, where ranking in the choice instead cost ~70-120 us a step on the
     H200). The rankings `learn` made keep serving the choices through such steps; once older than `learn` ever
-    leaves one (2 x STALE_ROUND x RANK_EVERY steps) the choice ranks afresh, as a policy without `learn` does
-    in every choice, and chooses as it does."""
+    leaves one (2 x STALE_ROUND x RANK_EVERY steps) the choice ranks afresh, and that ranking serves the choices
+    of the next RANK_EVERY steps, as `learn`'s cadence would: one choice in RANK_EVERY ranks, as in a policy without
+    `learn` (which ranks only in its choices), and every choice is the one such a policy makes."""
     from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND
 
     policy = _cadence_policy
@@ -891,22 +941,25 @@ def test_rankings_serve_through_steps_without_learn_until_older_than_learn_ever_
     rank = p._rank
     p._rank = lambda *a, **kw: (in_choice.append(True), rank(*a, **kw))[1]
     info = StepInfo(8, 0, 7, num_requests=8)
-    rows = []  # per step without `learn`: its prepared ranking's age at the choice, and whether the choice ranked
+    rows = []  # per step without `learn`: the age of the ranking it found, who made it, and whether the choice ranked
     for i in range(160):
         had, in_choice[:] = p.prepared.get(8), []
         k = p.choose(info)
         assert k == fresh.choose(info) or i < 50, i  # past the level's start (`fresh` has no `learn` at all)
         if 100 <= i < 140:
-            rows.append((p._steps - had.made, bool(in_choice)))
+            rows.append((p._steps - had.made, had.serves, bool(in_choice)))
         else:  # the device busy after every launch; in between, 40 host-bound steps without `learn`
             p.learn()
         outcome = StepOutcome(k, [(k, min(k, 5 + i % 3))] * 8, p.times.step(8, k), 8 * (1 + k))
         p.observe(info, outcome)
         fresh.observe(info, outcome)
     limit = 2 * STALE_ROUND * RANK_EVERY
-    assert all(ranked == (age >= limit) for age, ranked in rows)
-    assert not rows[0][1] and rows[0][0] <= RANK_EVERY  # the first ones served by `learn`'s ranking
-    assert rows[-1][1] and sum(not r for _, r in rows) == limit - rows[0][0]  # then every choice ranks
+    assert all(ranked == (age >= serves) for age, serves, ranked in rows)
+    assert rows[0][:2] == (rows[0][0], limit) and not rows[0][2] and rows[0][0] <= RANK_EVERY  # `learn`'s serves
+    served = limit - rows[0][0]  # the choices `learn`'s last ranking served, then one in RANK_EVERY ranks afresh
+    assert not any(r for _, _, r in rows[:served])
+    assert [r for _, _, r in rows[served:]] == [j % RANK_EVERY == 0 for j in range(len(rows) - served)]
+    assert all(serves == RANK_EVERY for _, serves, _ in rows[served + 1:])
 
 
 def test_a_round_keeps_the_last_rounds_rankings_so_a_batch_that_jumps_away_and_back_finds_its_own():

@@ -500,6 +500,7 @@ class Ranking:
     near: bool
     sustained: int | None = None  # requests the token budget keeps decoding at the best k, if it binds
     made: int = 0  # the policy's steps observed when it was ranked (its age: `AdaptiveDepth.choose`)
+    serves: int = 0  # steps after `made` it may serve choices for (`AdaptiveDepth._rank`)
     weight: float = 0.0  # the acceptance evidence it was ranked with (position 1's decayed count of judgements)
     demand: tuple[int, int] = (0, 0)  # the requests and token budget it was ranked for (`_demand_of`)
 
@@ -563,7 +564,7 @@ class AdaptiveDepth(DepthPolicy):
         # batch size -> ranking, worked out by `learn` for the next choices (kept until too old to serve: `choose`)
         self.prepared: dict[int, Ranking] = {}
         self._demand = (0, 0)  # the last choice's (requests, token budget): what `learn` ranks for
-        self._step: tuple | None = None  # the last step observed, not folded in yet (`observe`, `fold`)
+        self._kept: list[tuple] = []  # the steps observed and not folded in yet, in order (`observe`, `fold`)
         self.rank_every = max(1, rank_every)  # `learn`'s cadence, in steps
         self._steps = self._last_round = 0  # steps observed, and their count when `learn` last finished a round
         self._round: set[int] | None = None  # batch sizes ranked in a round `learn` has not finished (`busy`)
@@ -577,11 +578,13 @@ class AdaptiveDepth(DepthPolicy):
         return rates, self.acceptance.expected_tokens_by_k(rates)
 
     def _rank(self, batch: int, K: int, prefill_tokens: int = 0,
-              expected: tuple[list[float], list[float]] | None = None, demand: tuple[int, int] = (0, 0)) -> Ranking:
+              expected: tuple[list[float], list[float]] | None = None, demand: tuple[int, int] = (0, 0),
+              serves: int | None = None) -> Ranking:
         """Acceptance rates, tokens a request emits and step seconds for k = 0..K at this batch size, the k of
         the best goodput (ties to the shallower) and the alternative exploration would run. `demand`: the
-        requests in the engine and its token budget (`_sustained`). (Plain loops: it runs on every step, and
-        `max` with a key cost twice as much.)"""
+        requests in the engine and its token budget (`_sustained`). `serves`: the steps it may serve choices for
+        (`_max_age` by default, for `learn`'s). (Plain loops: it runs on every step, and `max` with a key cost
+        twice as much.)"""
         rates, tokens = expected or self._expected()
         seconds = self.times.steps(batch, K, prefill_tokens)
         lo = min(self.k_min, K)
@@ -605,7 +608,7 @@ class AdaptiveDepth(DepthPolicy):
                     alt = k
         near = alt is not None and goodput[alt] >= (1.0 - self.explore.margin) * goodput[best]
         return Ranking(rates, tokens, seconds, best, alt, near, sustained[best] if sustained else None, self._steps,
-                       self.acceptance.reached[0], demand)
+                       self._max_age() if serves is None else serves, self.acceptance.reached[0], demand)
 
     @staticmethod
     def _demand_of(info: StepInfo, K: int) -> tuple[int, int]:
@@ -656,7 +659,8 @@ class AdaptiveDepth(DepthPolicy):
         The ranking is the one `learn` prepared for this batch size while the device ran the last step, if
         there is one: the choice is made on the host between two device steps, so its work adds to every
         step, and on a host-bound engine (the tiny pair on an H200: ~1 ms steps) ranking here cost ~5% of the
-        throughput (docs/adaptive.md). A prepared ranking has not seen the last step's acceptance yet."""
+        throughput (docs/adaptive.md). A prepared ranking has not seen the last step's acceptance yet. A ranking
+        made here is kept for the choices after it, for `rank_every` steps (one `learn` keeps ready `_max_age`)."""
         K = min(self.K, info.max_k)
         if info.num_verify == 0:
             self.favourite = K
@@ -665,7 +669,7 @@ class AdaptiveDepth(DepthPolicy):
         demand = self._demand_of(info, K)
         r = self.prepared.get(info.num_verify) if not info.num_prefill_tokens and K == self.K else None
         # rankings age through steps without `learn` (host-bound steps: the device done before the host)
-        if r is not None and self._steps - r.made >= self._max_age():
+        if r is not None and self._steps - r.made >= r.serves:
             r = None
         if r is not None and demand != r.demand:  # ranked for another demand
             if r.sustained is not None:
@@ -684,7 +688,12 @@ class AdaptiveDepth(DepthPolicy):
             # the step times wait for `learn`'s cadence, as they do for its rankings (learning them here put ~58 us
             # on one choice in five, CPU closed loop at 64 requests with the device done in half the steps)
             self.fold(learn_times=self.rank_every == 1)
-            r = self._rank(info.num_verify, K, info.num_prefill_tokens, demand=demand)
+            r = self._rank(info.num_verify, K, info.num_prefill_tokens, demand=demand, serves=self.rank_every)
+            if not info.num_prefill_tokens and K == self.K:
+                # it serves this batch size's next choices for `learn`'s cadence, as a ranking `learn` made would:
+                # where `learn` did not run (the device done first), each choice at the size ranked afresh (CPU
+                # closed loop at 64 requests, the device done in half the steps: 123 of 300 choices)
+                self.prepared[info.num_verify] = r
         self._demand, self.favourite = demand, r.best
         pending, self.pending = self.pending, None
         if pending is not None and pending <= verifiable:
@@ -743,18 +752,26 @@ class AdaptiveDepth(DepthPolicy):
         would give (tests/test_depth_policies.py, with `rank_every=1`). Between real engine steps this bookkeeping
         was two thirds of the policy's host time on the critical path (benchmarks/host_time.py --device-busy:
         ~35 of 52-61 us a step on the 2-core CPU), and on the host-bound tiny pair adaptive's steps ran 15-30 us
-        longer than K7's on the H200 (docs/adaptive.md)."""
+        longer than K7's on the H200 (docs/adaptive.md).
+
+        Where `learn` did not run during this step (the device finished first) the step before it is still kept,
+        and waits too: for the next `learn`, or the next choice that ranks afresh or checks the budget, or
+        `describe`, which fold the kept steps in order, as `observe` would have one by one (`fold`). Folded here,
+        it put a fold on the critical path of every host-bound step (CPU closed loop at 64 requests, the device
+        done in half the steps: 18-25 us a step). A choice that finds its ranking reads only the evidence the kept
+        steps add (`_outgrows`), so every choice is the one the immediate folds gave."""
         self._steps += 1  # the rankings age by the step whether `learn` ran in it or not (`choose`, `learn`)
-        self.fold()  # `learn` did not run during this step (the device finished first): the step before, now
         if self._choice is None:
-            self._step = (info, outcome, None, None, False)
+            self._kept.append((info, outcome, None, None, False))
         else:
             v, _, batch, r, measures = self._choice
-            self._step = (info, outcome, batch * r.tokens[v], r.seconds[v], measures)
+            self._kept.append((info, outcome, batch * r.tokens[v], r.seconds[v], measures))
 
     def fold(self, learn_times: bool = True) -> None:
-        """Fold the step `observe` kept into the tally, the prompt share and the acceptance estimate, and queue its
-        time for the step-time model.
+        """Fold the steps `observe` kept, in order, into the tally, the prompt share and the acceptance estimate,
+        and queue their times for the step-time model. `learn_times` is for the last one; those before it are
+        folded as `observe` folded a step `learn` had not (with `learn_times`): the state is the one a fold at
+        every step's end gives.
 
         Times not learnt yet are learnt here (`learn_times`: not from `learn` or a choice that ranks afresh, which
         keep `learn`'s cadence) only after a decode step (the engine did not call `learn`: tests, simulations,
@@ -762,13 +779,17 @@ class AdaptiveDepth(DepthPolicy):
         it loses little. After a step with prompt tokens (told by its token count: the engine passes
         `num_prefill_tokens=0`, as it chooses before it schedules) they wait for the next `learn`. The engine skips
         `learn` in those steps, whose device work ends before the host's, so learning the decode step before them
-        on the critical path put ~40 us on it on the H200 (`tiny_step_trace.json`). The acceptance estimate is
-        never more than one step behind: a choice ranked without the steps just before it doubles a wrong early
-        signal at a level's start (deferred further, the start-up case of tests/test_depth_policies.py held
-        k = 1 17 steps longer and failed)."""
-        if self._step is None:
-            return
-        (info, outcome, predicted_tokens, predicted_s, explored), self._step = self._step, None
+        on the critical path put ~40 us on it on the H200 (`tiny_step_trace.json`). No ranking is made on an
+        estimate behind the steps observed (every maker folds first): a choice ranked without the steps just before
+        it doubles a wrong early signal at a level's start (ranked a step behind, the start-up case of
+        tests/test_depth_policies.py held k = 1 17 steps longer and failed)."""
+        kept, self._kept = self._kept, []
+        last = len(kept) - 1
+        for i, step in enumerate(kept):
+            self._fold_step(*step, learn_times=learn_times or i < last)
+
+    def _fold_step(self, info: StepInfo, outcome: StepOutcome, predicted_tokens: float | None,
+                   predicted_s: float | None, explored: bool, learn_times: bool) -> None:
         decode = is_decode_step(outcome.num_tokens, info.num_verify, outcome.k)
         if (learn_times and decode) or len(self.unlearnt) >= MAX_UNLEARNT:
             self._learn_time()
@@ -783,22 +804,25 @@ class AdaptiveDepth(DepthPolicy):
         self.learnt = {"realized_tokens_per_step": realized, "measured_step_s": outcome.step_time}
 
     def _outgrows(self, r: Ranking) -> bool:
-        """Whether the kept step adds more than PREPARED_NEW_EVIDENCE to the evidence `r` was ranked on. An upper
+        """Whether the kept steps add more than PREPARED_NEW_EVIDENCE to the evidence `r` was ranked on. An upper
         bound on the weight first (no decay, every listed request judging position 1), the exact weight only when
         the bound passes the limit: in a steady state it never does, and the exact count walks the batch."""
         limit = (1.0 + PREPARED_NEW_EVIDENCE) * r.weight
-        step = self._step
-        bound = self.acceptance.reached[0] + (len(step[1].accepted) if step is not None else 0)
+        bound = self.acceptance.reached[0]
+        for step in self._kept:
+            bound += len(step[1].accepted)
         return bound > limit and self._weight() > limit
 
     def _weight(self) -> float:
-        """Position 1's decayed count of judgements (the acceptance evidence's weight) once the kept step is folded
-        in, without folding it: every request that verified a draft judged position 1."""
+        """Position 1's decayed count of judgements (the acceptance evidence's weight) once the kept steps are
+        folded in, without folding them: every request that verified a draft judged position 1."""
         a = self.acceptance
-        if self._step is None or not self._step[0].num_verify:
-            return a.reached[0]
-        judged = sum(d > 0 for d, _ in self._step[1].accepted)
-        return a.reached[0] * (a.decay if judged else a.unjudged_decay) + judged
+        weight = a.reached[0]
+        for info, outcome, *_ in self._kept:
+            if info.num_verify:  # a prefill-only step is not folded into the estimate (`_fold_step`)
+                judged = sum(d > 0 for d, _ in outcome.accepted)
+                weight = weight * (a.decay if judged else a.unjudged_decay) + judged
+        return weight
 
     def _learn_time(self) -> None:
         """The step times held, in the order the steps ran; consecutive steps of one shape in one update."""
