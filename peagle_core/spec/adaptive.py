@@ -692,7 +692,7 @@ class AdaptiveDepth(DepthPolicy):
             if not info.num_prefill_tokens and K == self.K:
                 # it serves this batch size's next choices for `learn`'s cadence, as a ranking `learn` made would:
                 # where `learn` did not run (the device done first), each choice at the size ranked afresh (CPU
-                # closed loop at 64 requests, the device done in half the steps: 123 of 300 choices)
+                # closed loop at 64 requests, the device done in half the steps: 123-130 of 300 choices)
                 self.prepared[info.num_verify] = r
         self._demand, self.favourite = demand, r.best
         pending, self.pending = self.pending, None
@@ -769,9 +769,9 @@ class AdaptiveDepth(DepthPolicy):
 
     def fold(self, learn_times: bool = True) -> None:
         """Fold the steps `observe` kept, in order, into the tally, the prompt share and the acceptance estimate,
-        and queue their times for the step-time model. `learn_times` is for the last one; those before it are
-        folded as `observe` folded a step `learn` had not (with `learn_times`): the state is the one a fold at
-        every step's end gives.
+        and queue their times for the step-time model. `learn_times` is for the last one. Those before it are
+        steps `learn` did not fold while the next one ran, and go in with their times learnt, as `observe` folded
+        such a step: the state is the one folding each at the end of the step after it gives.
 
         Times not learnt yet are learnt here (`learn_times`: not from `learn` or a choice that ranks afresh, which
         keep `learn`'s cadence) only after a decode step (the engine did not call `learn`: tests, simulations,
