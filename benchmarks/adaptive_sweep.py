@@ -561,7 +561,7 @@ def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slic
     H200, where cells two seconds apart differed by up to 40%), every policy then runs at every moment's host
     speed, and the drift cancels in the ratios. The policies keep their state across their slices. The order is
     shuffled each cycle: a rotation kept each policy's predecessor the same, so an effect a turn inherits from
-    the one before was not averaged out (docs/adaptive.md: the tiny pair at one request, adaptive 10% ahead of a
+    the one before was not averaged out (docs/adaptive_log.md: the tiny pair at one request, adaptive 10% ahead of a
     K7 it matched step for step)."""
     from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 
@@ -601,7 +601,7 @@ def run_paired(engine, policies: dict[str, Any], prompts: list, C: int, episodes
 
     Paired, where `run_switchback` is not: in its turns at 1-4 requests a policy served two or three requests, and
     acceptance differs by prompt, so the policies' tokens a step differed by up to 16% either way (the tiny pair
-    on an H200, docs/adaptive.md); here every policy serves the same requests and emits the same tokens, so the
+    on an H200, docs/adaptive_log.md); here every policy serves the same requests and emits the same tokens, so the
     ratio of two cells is the ratio of their times. Short episodes in a shuffled order keep what the switchback
     gave: every policy runs at every moment's host speed. The policies keep their state across episodes.
     `restart(first)` runs before each policy's run (`AcceptanceReplay.restart`: the same replayed acceptance for
@@ -1001,7 +1001,7 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
 
 
 def diagnose(path: Path, log=print) -> None:
-    """Figures derived from a committed sweep JSON (docs/adaptive.md cites them): adaptive over the best fixed K
+    """Figures derived from a committed sweep JSON (docs/adaptive_log.md cites them): adaptive over the best fixed K
     by the whole level (output tokens over the level's wall time, not the steady window), each cell's time per
     step (its output tokens per step over its throughput), the loop's host time per step where the sweep
     recorded it (outside the device steps), and the adaptive policy's host time per step (`choose` + `observe`

@@ -197,11 +197,11 @@ case "${1:-}" in
     ;;
   adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance). Defaults as
                   # in adaptive_tiny_shared (~6 minutes): levels long enough to measure, one engine a round shared
-                  # by the policies (builds differ in host speed more than the policies do; docs/adaptive.md);
+                  # by the policies (builds differ in host speed more than the policies do; docs/adaptive_log.md);
                   # SWEEP_ARGS= (set, empty) builds an engine per policy instead; the switchback run of
-                  # docs/adaptive.md: ROUNDS=2 SWEEP_ARGS="--switchback 32 --switchback-cycles 12 --warm-policy
+                  # docs/adaptive_log.md: ROUNDS=2 SWEEP_ARGS="--switchback 32 --switchback-cycles 12 --warm-policy
                   # --warmup-steps 32 --prewarm-policy=" (~3 minutes); paired episodes (the same requests for every
-                  # policy, docs/adaptive.md): ROUNDS=2 WAVES=3 MIN_REQUESTS=0 SWEEP_ARGS="--paired 10 --warm-policy
+                  # policy, docs/adaptive_log.md): ROUNDS=2 WAVES=3 MIN_REQUESTS=0 SWEEP_ARGS="--paired 10 --warm-policy
                   # --warmup-steps 32 --prewarm-policy=" (~3.5 minutes)
     timeout "${SWEEP_TIMEOUT:-455}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
       --prompts heldout --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-6}" --min-requests "${MIN_REQUESTS:-64}" \

@@ -3,7 +3,7 @@
     python benchmarks/host_noise.py --out OUT        # on the GPU host: the shipped tiny pair (needs data/heldout.json)
 
 The tiny pair's sweep on an H200 is host-bound (a step is ~1 ms, most of it Python and launches), and its
-cells of one configuration differed up to 2x between rounds (`docs/adaptive.md`). This runs one fixed-K
+cells of one configuration differed up to 2x between rounds (`docs/adaptive_log.md`). This runs one fixed-K
 engine's level `--reps` times per engine, for `--engines` freshly built engines, under each host setting:
 `default`; `pinned` (the process and its threads on one CPU core, torch on one thread); `pinned+frozen`
 (also `gc.freeze()` after the build, so collections skip the engine's objects). Spread within an engine says

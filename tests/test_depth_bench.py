@@ -185,7 +185,7 @@ def test_combine_rounds_takes_medians_and_keeps_single_cells():
 
 
 def test_diagnose_reproduces_the_figures_docs_cite_from_a_committed_sweep():
-    """docs/adaptive.md's whole-level ratios and per-step times of the H200 run a come from this."""
+    """docs/adaptive_log.md's whole-level ratios and per-step times of the H200 run a come from this."""
     lines = []
     S.diagnose(ROOT / "docs/benchmarks/adaptive_20b_x2_verified_a.json", lines.append)
     c4 = next(line for line in lines if line.startswith("C=4 "))

@@ -64,7 +64,7 @@ def reclaim_dropped_engines() -> None:
     keeps no reference to its runner for this reason; this is the safety net for a process that builds engine after
     engine, like the benchmarks' rounds). Not on a CPU: a test checks that reference counting frees a dropped CPU
     engine, frozen or not, and unfreezing at every start-up makes each start-up's collection walk the whole heap
-    again (two test files 34.9 s against 20.1 s without a freeze; docs/adaptive.md)."""
+    again (two test files 34.9 s against 20.1 s without a freeze; docs/adaptive_log.md)."""
     if not gc.get_freeze_count():
         return
     gc.unfreeze()

@@ -17,7 +17,7 @@ per step. Device-side reuse needs no care: the copy into a device buffer is queu
 kernel that read the buffer's earlier views.
 
 Every view starts 16 bytes aligned: Triton specialises a kernel on whether each pointer is, and views at
-offsets set by the step's sizes made the eager kernels compile new variants in live steps (docs/adaptive.md).
+offsets set by the step's sizes made the eager kernels compile new variants in live steps (docs/adaptive_log.md).
 """
 from __future__ import annotations
 

@@ -104,7 +104,7 @@ class PromptShare:
     token budget besides their drafts. Per step, so it reads the regime the engine is in: high while a burst of
     arrivals is being prefilled (a level's start), the workload's prompt / output ratio in a steady stream, near
     zero once no request arrives. (Counted over finished requests instead, prompt / output lengths, it knew
-    nothing until requests finished and then only the short ones: in the simulation of docs/adaptive.md the policy
+    nothing until requests finished and then only the short ones: in the simulation of docs/adaptive_log.md the policy
     ran k = 7 through the level's start and k = 2 after the first finishes, 0.885 of the best fixed K at 64
     requests. That variant was not kept, so no command in the tree reproduces the figure.)"""
 
@@ -349,7 +349,7 @@ class StepGrid:
         others at the same moment; against the fixed start-up profile it measured the host's speed at that
         moment as well. On the tiny pair's H200 steps (flat in k, host-bound) the host ran 0.85 ms steps for a
         while, then 1.3 ms ones: the k that happened to run when it slowed down was charged 1.5x for good, and the
-        policy left it (docs/adaptive.md). The row's current mean error is added back because the level has
+        policy left it (docs/adaptive_log.md). The row's current mean error is added back because the level has
         absorbed it (it fits the steps with their shape correction, which is relative to that mean): without it
         the errors of the k being run would drift to zero and take what was learnt of the others with them."""
         for r, w in weights:
@@ -617,7 +617,7 @@ class AdaptiveDepth(DepthPolicy):
         backlog): then no depth keeps a prompt out of it. A burst of prompts inflates the prompt share for the
         steps after it has been fed; with a budget that leaves prompts room at every depth (the tiny pair's
         2048 tokens at 64 requests: 512 for k = 7), the policy kept verifying shallowly for a burst already in
-        (docs/adaptive.md). Where k = 7 fills the budget (64 requests, 512 tokens) there is no room at K, and
+        (docs/adaptive_log.md). Where k = 7 fills the budget (64 requests, 512 tokens) there is no room at K, and
         nothing changes."""
         budget, backlog = info.token_budget, info.prompt_backlog
         if budget and backlog is not None and backlog <= budget - info.num_verify * (1 + K):
@@ -638,7 +638,7 @@ class AdaptiveDepth(DepthPolicy):
         position), 128-token prompts, 64-token answers and a 512-token budget (rho = 2), 64 requests give b = 64,
         50, 36, 28 at k = 1, 3, 5, 7 and K3 ranks first. Ranking at the step's batch instead, the policy chose
         k = 7 there and reached 0.90 of K3's throughput in the simulation (`benchmarks/adaptive_sim.py`), 1.06
-        with this (docs/adaptive.md). Prompt time is left out: it is the same per emitted token whatever k, so it
+        with this (docs/adaptive_log.md). Prompt time is left out: it is the same per emitted token whatever k, so it
         does not change the order."""
         if requests <= 0 or budget <= 0:
             return None
@@ -659,7 +659,7 @@ class AdaptiveDepth(DepthPolicy):
         The ranking is the one `learn` prepared for this batch size while the device ran the last step, if
         there is one: the choice is made on the host between two device steps, so its work adds to every
         step, and on a host-bound engine (the tiny pair on an H200: ~1 ms steps) ranking here cost ~5% of the
-        throughput (docs/adaptive.md). A prepared ranking has not seen the last step's acceptance yet. A ranking
+        throughput (docs/adaptive_log.md). A prepared ranking has not seen the last step's acceptance yet. A ranking
         made here is kept for the choices after it, for `rank_every` steps (one `learn` keeps ready `_max_age`)."""
         K = min(self.K, info.max_k)
         if info.num_verify == 0:
@@ -752,7 +752,7 @@ class AdaptiveDepth(DepthPolicy):
         would give (tests/test_depth_policies.py, with `rank_every=1`). Between real engine steps this bookkeeping
         was two thirds of the policy's host time on the critical path (benchmarks/host_time.py --device-busy:
         ~35 of 52-61 us a step on the 2-core CPU), and on the host-bound tiny pair adaptive's steps ran 15-30 us
-        longer than K7's on the H200 (docs/adaptive.md).
+        longer than K7's on the H200 (docs/adaptive_log.md).
 
         Where `learn` did not run during this step (the device finished first) the step before it is still kept,
         and waits too: for the next `learn`, or the next choice that ranks afresh or checks the budget, or
@@ -838,9 +838,9 @@ class AdaptiveDepth(DepthPolicy):
 
         Not every step: on the tiny pair's host-bound H200 steps the device's work ends 26-76 us after the last
         launch at one request, and `learn` (83-107 us when it ranked and learnt every step) outlasted it: the
-        step waited for it (policy_overhead.py --trace, docs/adaptive.md). The model and the rankings move over
+        step waited for it (policy_overhead.py --trace, docs/adaptive_log.md). The model and the rankings move over
         tens of steps; a choice a few steps behind on them loses little (a CPU simulation of the 20B shape: within
-        0.01 of ranking every step, docs/adaptive.md), and one whose batch size or demand was
+        0.01 of ranking every step, docs/adaptive_log.md), and one whose batch size or demand was
         not ranked for, or that follows a large share of new evidence, still ranks afresh (`choose`).
 
         `busy` (the engine's probe of the device): past the fold, each part of a ranking round (the step times,
@@ -871,7 +871,7 @@ class AdaptiveDepth(DepthPolicy):
             self._round = set()
             # other batch sizes keep their rankings made in the last `rank_every` steps: at 64 requests a burst of
             # finishes moves the batch by more than one (64, 50, 44, 59, ...), and 37% of the choices found nothing
-            # prepared when a round kept only its own sizes (CPU, docs/adaptive.md); older ones go (a choice for
+            # prepared when a round kept only its own sizes (CPU, docs/adaptive_log.md); older ones go (a choice for
             # one ranks afresh): kept longer, they chose less often as a fresh ranking would
             self.prepared = {b: r for b, r in self.prepared.items()
                              if b in sizes or self._steps - r.made < self.rank_every}
