@@ -33,14 +33,10 @@ class AcceptanceEstimate:
     """Per-position conditional acceptance: forgetful evidence, shrunk toward the previous position.
 
     A position no request judged in a step (the step verified fewer drafts, or every request stopped before
-    it) forgets faster than one that was judged: its evidence cannot be refreshed by the choices that skip it,
-    so it must not outlive them. At a level's start every request is in its first tokens at once, and the
-    recorded trace rejects the second draft there almost always (0-0.3 in its second and third steps, 0.38
-    over all): the policy drops to k = 1, where position 2 is never judged again, and at the judged rate (0.98
-    a step on ~40 early observations) a_2 stayed near 0.1 and the policy at k = 1 for 28 steps of a ~120-step
-    level (CPU simulation of the H200 sweep at 32 requests: k = 1 on 37% of steps, as measured; adaptive 0.977
-    of the best fixed K, 0.997 with the faster rate, means of 8 seeds). A position that keeps being judged keeps
-    the slow rate: its estimate stays precise where acceptance is steady."""
+    it) forgets faster than one that was judged: the choices that skip it cannot refresh its evidence, so a
+    low early rate must not outlive them (a policy dropped to k = 1 at a level's start and, at the slow rate,
+    stayed there for a quarter of the level). A position that keeps being judged keeps the slow rate, so its
+    estimate stays precise where acceptance is steady (docs/adaptive_log.md)."""
 
     K: int
     prior: float = 0.6
@@ -102,11 +98,8 @@ class AcceptanceEstimate:
 class PromptShare:
     """Prompt tokens fed per token emitted (rho), over the last steps: what the requests in the engine ask of the
     token budget besides their drafts. Per step, so it reads the regime the engine is in: high while a burst of
-    arrivals is being prefilled (a level's start), the workload's prompt / output ratio in a steady stream, near
-    zero once no request arrives. (Counted over finished requests instead, prompt / output lengths, it knew
-    nothing until requests finished and then only the short ones: in the simulation of docs/adaptive_log.md the policy
-    ran k = 7 through the level's start and k = 2 after the first finishes, 0.885 of the best fixed K at 64
-    requests. That variant was not kept, so no command in the tree reproduces the figure.)"""
+    arrivals is prefilled, the workload's prompt / output ratio in a steady stream. (Counted over finished
+    requests it knew nothing until the first ones finished, and then only the short ones.)"""
 
     decay: float = 0.9  # per step: about the last 10 weigh
     prompt: float = 0.0
@@ -198,26 +191,18 @@ class StepGrid:
 
     Live decode steps correct it in two parts, so that neither can lock the policy onto its first choice:
 
-    - the LEVEL (`rows`): the ratio of each measured to predicted step time rescales the whole rows it was
-      interpolated from. Correcting only the cell of the k that ran would favour whichever k the policy
-      happened to choose first: a profile that runs 30% slow everywhere (start-up jitter, clocks) leaves
-      every other k 30% too dear, and the policy stays on its first choice (on the H200 sweep: mean k 1.7 at
-      16 requests, where k = 7 was best).
-    - the SHAPE across k (`shape`): per (row, k) cell, a forgetful mean of log(measured / profiled), taken
-      against the start-up profile (`profile`, never rescaled) so that the level's own movements do not
-      leak into it. A cell's shape correction is its mean minus the evidence-weighted mean of the row's
-      observed cells: an error common to every k observed is the level's business and moves no cell, only
-      differences between k do. The level alone never learnt that the profile under-charged depth (on the
-      H200 sweep the policy verified 6-7 drafts at 2-8 requests where 1 was best: the level matched the deep
-      steps it ran, and the shallow ones stayed over-charged). A row whose live steps all ran at one k has
-      no shape correction at all (the relative part is not observable), which is exactly the level-only
-      behaviour above; `AdaptiveDepth` explores a little so that other cells get measured.
-      A cell never run takes the error of the nearest cell that was (a profile that under-charges depth
-      usually does so smoothly, so the cell next door is the best guess, as in `AcceptanceEstimate`).
+    - the LEVEL (`rows`): each step's measured / predicted ratio rescales the whole rows it was interpolated
+      from. Correcting only the cell of the k that ran would leave every other k as wrong as the profile (a
+      profile 30% slow everywhere keeps the policy on its first choice).
+    - the SHAPE across k (`shape`): per (row, k) cell, a forgetful mean of the log error against the level's
+      prediction. A cell's correction is its mean minus the evidence-weighted mean of the row's observed
+      cells: an error common to every k is the level's business, only differences between k move a cell. The
+      level alone never learns that the profile mis-charged depth. A row whose live steps all ran at one k
+      gets no shape correction (the relative part is not observable), so `AdaptiveDepth` explores a little;
+      a cell never run takes the error of the nearest cell that was (a profile errs smoothly in k).
 
-    The step is what the policy pays for, so it is measured whole: a model of the target's token count
-    alone misses the attention over the context, the drafter's dependence on B (and, for P-EAGLE's
-    input, on k) and the sampling, and on a CPU it was off by 2x either way."""
+    The step is what the policy pays for, so it is measured whole: a model of the target's token count alone
+    misses the attention over the context, the drafter's dependence on B and k, and the sampling."""
 
     def __init__(self, times: dict[int, list[float]], smoothing: float = 0.2, shape_decay: float = 0.98,
                  learn_shape: bool = True):
@@ -226,7 +211,7 @@ class StepGrid:
         self.sizes = sorted(times)
         self.rows = [list(times[b]) for b in self.sizes]
         self.K, self.smoothing = len(self.rows[0]) - 1, smoothing
-        self.profile = [list(row) for row in self.rows]  # the start-up profile: what shape errors are taken against
+        self.profile = [list(row) for row in self.rows]  # the start-up profile, never rescaled (sweeps record it)
         self.shape_decay, self.learn_shape = shape_decay, learn_shape
         n = len(self.sizes)
         self.log_err = [[0.0] * (self.K + 1) for _ in range(n)]   # forgetful mean of log(measured / profiled)
@@ -345,13 +330,11 @@ class StepGrid:
     def _learn_shape(self, weights: list[tuple[int, float]], k: int, log_level_err: float, n: int = 1) -> None:
         """Fold one step's log(measured / level's prediction) into the cells (r, k) it was interpolated from.
 
-        The level follows the host within a few steps, so against it a step measures how its k differs from the
-        others at the same moment; against the fixed start-up profile it measured the host's speed at that
-        moment as well. On the tiny pair's H200 steps (flat in k, host-bound) the host ran 0.85 ms steps for a
-        while, then 1.3 ms ones: the k that happened to run when it slowed down was charged 1.5x for good, and the
-        policy left it (docs/adaptive_log.md). The row's current mean error is added back because the level has
-        absorbed it (it fits the steps with their shape correction, which is relative to that mean): without it
-        the errors of the k being run would drift to zero and take what was learnt of the others with them."""
+        Against the level, which follows the host within a few steps, a step measures how its k differs from the
+        others at the same moment; against the fixed start-up profile it also measured the host's speed, and
+        the k that happened to run while the host was slow was charged for good. The row's current mean error
+        is added back because the level has absorbed it: without it the errors of the k being run would drift
+        to zero and take what was learnt of the others with them."""
         for r, w in weights:
             w *= n  # a run of n steps weighs n
             err, ev = self.log_err[r], self.evidence_rows[r]
@@ -371,10 +354,9 @@ class StepGrid:
 def _relative_shape(log_err: list[float], evidence: list[float]) -> list[float]:
     """Per k: the cell's log error, held toward its nearest observed neighbour's by `SHAPE_PRIOR`
     pseudo-observations (a cell never observed takes the neighbour's), minus the evidence-weighted mean over
-    the observed cells. Subtracting the mean leaves what differs between k; the common part is left to the
-    level. The pseudo-observations do what the acceptance estimate's neighbour prior does: a cell the policy
-    stopped running loses its evidence as the row's steps go by and drifts back to its neighbour, so a k
-    abandoned after a few slow steps is tried again (before, its error stayed as long as nothing ran it)."""
+    the observed cells: what differs between k, the common part being the level's. A cell the policy stopped
+    running loses its evidence and drifts back to its neighbour, so a k abandoned after a few slow steps is
+    tried again (as the acceptance estimate's neighbour prior does for a_j)."""
     seen = [k for k, e in enumerate(evidence) if e > 0]
     total = sum(evidence[k] for k in seen)
     if len(seen) < 2 or total <= 0:
@@ -426,10 +408,8 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
     verified are the drafter's own proposals for those contexts (random tokens without a drafter).
 
     One untimed pass over the whole grid first (CUDA-graph capture, compilation, clocks coming up), then
-    `passes` timed passes, each cell keeping its fastest: timing noise only ever adds, and one slow outlier
-    must not shape the row. (With the median of two back-to-back calls, one slow k = 0 cell at start-up
-    became the whole row's floor through `StepGrid.step`'s running max, every k looked equally dear, and
-    the H200 sweep's policy verified 7 drafts where 1 was best.)"""
+    `passes` timed passes, each cell keeping its fastest: timing noise only ever adds, and one slow cell
+    would become its row's floor through the monotone-in-k rule and make every k look equally dear."""
     import time
 
     import torch
@@ -536,10 +516,9 @@ class AdaptiveDepth(DepthPolicy):
     def __init__(self, K: int, times: "StepTimeModel | StepGrid", k_min: int = 0, prior: float = 0.6,
                  explore: Exploration | None = None, rank_every: int = RANK_EVERY, flat_draft: bool = False):
         """`flat_draft`: the drafter proposes any depth in one pass (P-EAGLE), so a step exploring a shallower k
-        still drafts the favourite's depth (`draft_depth`), and the next step can go back to it. Drafting only the
-        explored k, the next step could verify no more either: two shallow steps an exploration (on the H200 at
-        one request, 7.2% of adaptive's steps ran a shallower k for 3.6% explored). Not for EAGLE-3, whose deeper
-        draft costs a pass a token: the explored step would charge its k with the favourite's drafting."""
+        still drafts the favourite's depth (`draft_depth`) and the next step can go back to it; drafting only
+        the explored k, one exploration cost two shallow steps. Not for EAGLE-3, whose draft costs a pass a
+        token."""
         if not 0 <= k_min <= K:
             raise ValueError(f"adaptive depth bounds must satisfy 0 <= min <= K, got {k_min}..{K}")
         self.K, self.k_min, self.times, self.flat_draft = K, k_min, times, flat_draft
@@ -548,8 +527,7 @@ class AdaptiveDepth(DepthPolicy):
         self.prompts = PromptShare()
         self._rate_keys = [f"accept_rate_{j + 1}" for j in range(K)]
         # the last choice: (k verified, k asked, batch, its ranking, whether it measures an alternative); `last`
-        # spells it out when read: metrics are polled, choices made every step (building the dict in each choice
-        # and counting the exact evidence weight, `_outgrows`, took ~6 of its ~20 us in a CPU closed loop)
+        # spells it out only when read: metrics are polled, choices are made every step
         self._choice: tuple[int, int, int, Ranking, bool] | None = None
         self.learnt: dict[str, float] = {}  # the last step observed: realised tokens and its time
         # Exploring only pays where the step-time model learns per k (a grid); the token-count model
@@ -612,13 +590,10 @@ class AdaptiveDepth(DepthPolicy):
 
     @staticmethod
     def _demand_of(info: StepInfo, K: int) -> tuple[int, int]:
-        """The requests wanting a step and the token budget they share (`_sustained`); the budget counts as
+        """The requests wanting a step and the token budget they share (`_sustained`). The budget counts as
         unbounded (0) when this step holds every prompt token waiting even at depth K (N - B (1 + K) >= the
-        backlog): then no depth keeps a prompt out of it. A burst of prompts inflates the prompt share for the
-        steps after it has been fed; with a budget that leaves prompts room at every depth (the tiny pair's
-        2048 tokens at 64 requests: 512 for k = 7), the policy kept verifying shallowly for a burst already in
-        (docs/adaptive_log.md). Where k = 7 fills the budget (64 requests, 512 tokens) there is no room at K, and
-        nothing changes."""
+        backlog): then no depth keeps a prompt out, whatever the prompt share says (a burst inflates it for the
+        steps after it has been fed, and the policy kept verifying shallowly for prompts already in)."""
         budget, backlog = info.token_budget, info.prompt_backlog
         if budget and backlog is not None and backlog <= budget - info.num_verify * (1 + K):
             budget = 0
@@ -634,12 +609,9 @@ class AdaptiveDepth(DepthPolicy):
         budget N holds at most N / ((1 + k) + rho E(k)) decoding requests. Past that, a deeper k does not make a
         step dearer but the batch smaller: prompts wait for budget while running requests verify deep drafts
         (the scheduler serves running requests first). Ranked by b_k E(k) / T(b_k, k), b_k = min(requests,
-        that bound). On the 20B shape's step times with the 4-layer tiny head's acceptance (0.80-0.93 a
-        position), 128-token prompts, 64-token answers and a 512-token budget (rho = 2), 64 requests give b = 64,
-        50, 36, 28 at k = 1, 3, 5, 7 and K3 ranks first. Ranking at the step's batch instead, the policy chose
-        k = 7 there and reached 0.90 of K3's throughput in the simulation (`benchmarks/adaptive_sim.py`), 1.06
-        with this (docs/adaptive_log.md). Prompt time is left out: it is the same per emitted token whatever k, so it
-        does not change the order."""
+        that bound). Example: 64 requests, a 512-token budget, rho = 2 and the tiny head's acceptance give
+        b = 64, 50, 36, 28 at k = 1, 3, 5, 7, and K3 ranks first (as the 20B-shape sweep measured). Prompt time
+        is left out: it is the same per emitted token whatever k, so it does not change the order."""
         if requests <= 0 or budget <= 0:
             return None
         rho = self.prompts.rho
@@ -650,17 +622,14 @@ class AdaptiveDepth(DepthPolicy):
 
     def choose(self, info: StepInfo) -> int:
         """The depth to draft for the next step (at least: `draft_depth`), and to verify now as far as the drafts
-        held allow (`StepInfo.verifiable`): the prediction and, through the engine's `StepOutcome.k`, the step-time
-        model are for the depth verified. (Both were for the depth asked for: a step asking for more than the
-        last one drafted verified less, was cheaper than predicted and taught the grid that its depth was
-        cheap, and it emitted fewer tokens than predicted: on the H200 sweep at 2-4 requests 3-6% too many
-        tokens, steps 2-8% too cheap, and the policy ran deep where K1 was best.)
+        held allow (`StepInfo.verifiable`): the prediction and, through the engine's `StepOutcome.k`, the
+        step-time model are for the depth verified (for the depth asked, a step that verified less taught the
+        grid that its depth was cheap).
 
-        The ranking is the one `learn` prepared for this batch size while the device ran the last step, if
-        there is one: the choice is made on the host between two device steps, so its work adds to every
-        step, and on a host-bound engine (the tiny pair on an H200: ~1 ms steps) ranking here cost ~5% of the
-        throughput (docs/adaptive_log.md). A prepared ranking has not seen the last step's acceptance yet. A ranking
-        made here is kept for the choices after it, for `rank_every` steps (one `learn` keeps ready `_max_age`)."""
+        The choice is made on the host between two device steps, so its work adds to every step. It uses the
+        ranking `learn` prepared for this batch size while the device ran the last step, or one an earlier
+        choice made, while either is young enough; it ranks afresh only when there is none, when the demand it
+        was ranked for differs and the budget binds, or when the steps since add a large share of evidence."""
         K = min(self.K, info.max_k)
         if info.num_verify == 0:
             self.favourite = K
@@ -681,18 +650,14 @@ class AdaptiveDepth(DepthPolicy):
                     r = None  # it binds now
             if r is not None:
                 r.demand = demand  # unbounded for this demand too: the next choice need not check again
-        # ... unless that step was a large part of all the evidence (a level's first steps, where one more step
-        # judged on the prior doubles a wrong early signal: tests/test_depth_policies.py); position 1 is judged
-        # by every request that verifies, so its decayed count stands for the estimate's weight
+        # ... and none serves if the steps since were a large part of all the evidence (a level's first steps,
+        # where a choice behind on one step doubles a wrong early signal)
         if r is None or self._outgrows(r):
-            # the step times wait for `learn`'s cadence, as they do for its rankings (learning them here put ~58 us
-            # on one choice in five, CPU closed loop at 64 requests with the device done in half the steps)
-            self.fold(learn_times=self.rank_every == 1)
+            self.fold(learn_times=self.rank_every == 1)  # the step times keep `learn`'s cadence
             r = self._rank(info.num_verify, K, info.num_prefill_tokens, demand=demand, serves=self.rank_every)
             if not info.num_prefill_tokens and K == self.K:
                 # it serves this batch size's next choices for `learn`'s cadence, as a ranking `learn` made would:
-                # where `learn` did not run (the device done first), each choice at the size ranked afresh (CPU
-                # closed loop at 64 requests, the device done in half the steps: 123-130 of 300 choices)
+                # where `learn` did not run (the device done first), every choice at the size ranked afresh
                 self.prepared[info.num_verify] = r
         self._demand, self.favourite = demand, r.best
         pending, self.pending = self.pending, None
@@ -745,21 +710,11 @@ class AdaptiveDepth(DepthPolicy):
         return draw < (e.near if near else e.far)
 
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
-        """Keep the step for `fold`, which the engine's `learn` runs while the device works on the next step. The
-        choice after this step uses the ranking `learn` prepared, so what it needs of this step is only how much
-        acceptance evidence the step adds (`_weight`); a choice that must rank afresh (no ranking prepared,
-        another demand, a large share of new evidence) folds first, so every choice is the one an immediate fold
-        would give (tests/test_depth_policies.py, with `rank_every=1`). Between real engine steps this bookkeeping
-        was two thirds of the policy's host time on the critical path (benchmarks/host_time.py --device-busy:
-        ~35 of 52-61 us a step on the 2-core CPU), and on the host-bound tiny pair adaptive's steps ran 15-30 us
-        longer than K7's on the H200 (docs/adaptive_log.md).
-
-        Where `learn` did not run during this step (the device finished first) the step before it is still kept,
-        and waits too: for the next `learn`, or the next choice that ranks afresh or checks the budget, or
-        `describe`, which fold the kept steps in order, as `observe` would have one by one (`fold`). Folded here,
-        it put a fold on the critical path of every host-bound step (CPU closed loop at 64 requests, the device
-        done in half the steps: 18-25 us a step). A choice that finds its ranking reads only the evidence the kept
-        steps add (`_outgrows`), so every choice is the one the immediate folds gave."""
+        """Keep the step for `fold`: the next `learn` (while the device works on the next step), or the next choice
+        that ranks afresh or checks the budget, or `describe`, folds the kept steps in, in order. A choice that
+        finds its ranking needs of them only how much acceptance evidence they add (`_outgrows`), so every
+        choice is the one folding each step at once would give (tests/test_depth_policies.py), and no fold sits
+        on the critical path of a step `learn` did not run in (the device done first)."""
         self._steps += 1  # the rankings age by the step whether `learn` ran in it or not (`choose`, `learn`)
         if self._choice is None:
             self._kept.append((info, outcome, None, None, False))
@@ -769,20 +724,18 @@ class AdaptiveDepth(DepthPolicy):
 
     def fold(self, learn_times: bool = True) -> None:
         """Fold the steps `observe` kept, in order, into the tally, the prompt share and the acceptance estimate,
-        and queue their times for the step-time model. `learn_times` is for the last one. Those before it are
-        steps `learn` did not fold while the next one ran, and go in with their times learnt, as `observe` folded
-        such a step: the state is the one folding each at the end of the step after it gives.
+        and queue their times for the step-time model. `learn_times` is for the last one; those before it are
+        steps `learn` did not fold while the next one ran, and go in with their times learnt, as the immediate
+        fold at the end of the step after each gave.
 
-        Times not learnt yet are learnt here (`learn_times`: not from `learn` or a choice that ranks afresh, which
-        keep `learn`'s cadence) only after a decode step (the engine did not call `learn`: tests, simulations,
-        host-bound steps); the model they move changes over tens of steps, so a choice a step or a few behind on
-        it loses little. After a step with prompt tokens (told by its token count: the engine passes
-        `num_prefill_tokens=0`, as it chooses before it schedules) they wait for the next `learn`. The engine skips
-        `learn` in those steps, whose device work ends before the host's, so learning the decode step before them
-        on the critical path put ~40 us on it on the H200 (`tiny_step_trace.json`). No ranking is made on an
-        estimate behind the steps observed (every maker folds first): a choice ranked without the steps just before
-        it doubles a wrong early signal at a level's start (ranked a step behind, the start-up case of
-        tests/test_depth_policies.py held k = 1 17 steps longer and failed)."""
+        Times are learnt here (`learn_times`) only after a decode step. `learn` and a choice that ranks afresh
+        pass it only with `rank_every` 1, and otherwise keep `learn`'s cadence. After a step with prompt tokens
+        (told by its token count: the engine chooses before it schedules) the times wait for the next `learn`:
+        the engine skips `learn` in those steps, and learning on the critical path costs the step.
+
+        No ranking is made on an estimate behind the steps observed (every maker folds first): a choice ranked
+        without the step just before it doubles a wrong early signal at a level's start
+        (tests/test_depth_policies.py)."""
         kept, self._kept = self._kept, []
         last = len(kept) - 1
         for i, step in enumerate(kept):
@@ -831,25 +784,21 @@ class AdaptiveDepth(DepthPolicy):
             self.times.observe_run(num_tokens, k, [t[2] for t in run], batch)
 
     def learn(self, busy: Callable[[], bool] | None = None) -> None:
-        """While the device runs a step: the last step folded in; then, once in `rank_every` steps or when a batch
+        """While the device runs a step: the kept steps folded in; then, once in `rank_every` steps or when a batch
         size the next choice may meet has no ranking, the step times held into the step-time model and the
         rankings the next choice will most likely need (this step's batch size, one request fewer or more: a
         request finishing or one done with its prompt; one more only while requests wait to join).
 
-        Not every step: on the tiny pair's host-bound H200 steps the device's work ends 26-76 us after the last
-        launch at one request, and `learn` (83-107 us when it ranked and learnt every step) outlasted it: the
-        step waited for it (policy_overhead.py --trace, docs/adaptive_log.md). The model and the rankings move over
-        tens of steps; a choice a few steps behind on them loses little (a CPU simulation of the 20B shape: within
-        0.01 of ranking every step, docs/adaptive_log.md), and one whose batch size or demand was
-        not ranked for, or that follows a large share of new evidence, still ranks afresh (`choose`).
+        Not every step: on a host-bound engine the device finishes tens of microseconds after the last launch,
+        and ranking every step outlasted it. The model and the rankings move over tens of steps, so a choice a
+        few steps behind on them loses little; one whose batch size or demand was not ranked for, or that
+        follows a large share of new evidence, still ranks afresh (`choose`).
 
-        `busy` (the engine's probe of the device): past the fold, each part of a ranking round (the step times,
-        then each batch size's ranking) starts only while the device still runs the step, and the rest waits for
-        the next call: the round is spread over steps whose device time can hide it, instead of one step in
-        `rank_every` waiting for what outlasts the device. A part begun may still overrun by its own length (a
-        whole round took 113-145 us on the H200 host: policy_overhead_slack_c1.json). A round left for `STALE_ROUND` x `rank_every`
-        steps since the last one ended is finished whatever the device. Without `busy` (tests, simulations) a
-        round is done at once."""
+        `busy` (the engine's probe of the device): past the fold, each part of a round (the step times, then
+        each batch size's ranking) starts only while the device still runs the step, and the rest waits for
+        the next call, so a round is spread over steps whose device time hides it. A round left for
+        `STALE_ROUND` x `rank_every` steps is finished whatever the device. Without `busy` (tests, simulations)
+        a round is done at once."""
         # every `rank_every` steps the times held go in as runs of one shape (`_learn_time`); learning every step,
         # the one folded in now goes in alone, as each step's did before the cadence
         self.fold(learn_times=self.rank_every == 1)
@@ -869,10 +818,9 @@ class AdaptiveDepth(DepthPolicy):
                 return
             self._learn_time()
             self._round = set()
-            # other batch sizes keep their rankings made in the last `rank_every` steps: at 64 requests a burst of
-            # finishes moves the batch by more than one (64, 50, 44, 59, ...), and 37% of the choices found nothing
-            # prepared when a round kept only its own sizes (CPU, docs/adaptive_log.md); older ones go (a choice for
-            # one ranks afresh): kept longer, they chose less often as a fresh ranking would
+            # other batch sizes keep their rankings made in the last `rank_every` steps: a burst of finishes moves
+            # the batch by more than one and back, and a round that kept only its own sizes left over a third of
+            # the choices unprepared; older ones go (kept longer, they chose less often as a fresh ranking would)
             self.prepared = {b: r for b, r in self.prepared.items()
                              if b in sizes or self._steps - r.made < self.rank_every}
         expected = self._expected()
