@@ -12,9 +12,9 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
 
 --device-busy: the runner reports its device busy after every launch, as a GPU step does, so the policy's `learn`
 runs inside `execute` (off the host's critical path on a GPU) and is timed on its own (`learn_us_per_step`); a
-CPU never runs it otherwise, and `observe` learns instead. `--busy-share P`: busy after a launch with probability
-P only (seeded), as on the tiny pair's H200 host, where the device is often done first in steps with prompt chunks
-and the choices after them find no ranking prepared.
+CPU never runs it otherwise, and the choices that rank afresh fold the kept steps in instead. `--busy-share P`:
+busy after a launch with probability P only (seeded), as on the tiny pair's H200 host, where the device is often
+done first in steps with prompt chunks and the choices after them find no ranking prepared.
 
 On the shipped tiny pair on a CPU the device step is slow, but the host work around it is the same Python as on
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last

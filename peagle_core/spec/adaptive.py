@@ -162,7 +162,8 @@ class StepTimeModel:
             self.observe(num_tokens, k, seconds, batch)
 
 
-# Step times `AdaptiveDepth.observe` may leave for `learn` through a run of steps with prompt tokens.
+# Step times a fold may queue for `learn` (`AdaptiveDepth.fold`) before it learns them itself: a long run of steps
+# with prompt tokens, or no `learn` at all (a CPU), must not grow the queue without bound.
 MAX_UNLEARNT = 16
 
 # A ranking prepared while the device ran the last step serves the next choice unless that step added more
