@@ -1004,6 +1004,50 @@ def test_a_round_keeps_the_last_rounds_rankings_so_a_batch_that_jumps_away_and_b
     assert step(8, requests=100, budget=16)
 
 
+def test_a_ranking_the_budget_bound_serves_the_next_unbounded_demand_with_its_unbound_twin():
+    """Steps with prompt chunks rank with the budget binding; the decode step after the last prompt is in has an
+    unbounded budget. The bound ranking carries its twin without the bound, so that choice looks it up instead of
+    ranking afresh, and picks what a fresh ranking would (here the budget holds the deep k back, the twin does not)."""
+    p = _cadence_policy()
+    for _ in range(50):
+        info = StepInfo(8, 0, 7, num_requests=100, token_budget=16)
+        k = p.choose(info)
+        p.learn()
+        p.observe(info, StepOutcome(k, [(k, k)] * 8, p.times.step(8, k), 8 * (1 + k) + 8))
+    bound = p.prepared[8]
+    assert bound.sustained is not None and bound.unbound is not None and bound.best < 7
+    p.fold()
+    fresh = p._rank(8, 7, demand=(8, 0))
+    calls = []
+    rank = p._rank
+    p._rank = lambda *a, **kw: (calls.append(1), rank(*a, **kw))[1]
+    assert p.choose(StepInfo(8, 0, 7, num_requests=8, token_budget=64, prompt_backlog=0)) == fresh.best == 7
+    assert not calls  # looked up
+    # a demand whose budget binds still does not take the unbound twin
+    assert p.choose(StepInfo(8, 0, 7, num_requests=100, token_budget=16)) == bound.best
+
+
+def test_steps_with_prompts_and_decode_steps_alternating_look_their_rankings_up():
+    """In a stream, steps with prompt chunks (the budget binds) and decode steps (it does not) alternate. `learn`
+    keeps ranking the bound demand while the budget is unbounded, the twin serving the decode steps, so neither
+    kind of step finds its ranking gone and ranks afresh on the critical path."""
+    p = _cadence_policy()
+    calls = []
+    rank = p._rank
+    p._rank = lambda *a, **kw: (calls.append(where[0]), rank(*a, **kw))[1]
+    where = [""]
+    for i in range(200):
+        mixed = i % 3 != 2
+        info = (StepInfo(8, 0, 7, num_requests=100, token_budget=16) if mixed
+                else StepInfo(8, 0, 7, num_requests=8, token_budget=64, prompt_backlog=0))
+        where[0] = "choose" if i >= 100 else ""
+        k = p.choose(info)
+        where[0] = "learn"
+        p.learn()
+        p.observe(info, StepOutcome(k, [(k, k)] * 8, p.times.step(8, k), 8 * (1 + k) + (8 if mixed else 0)))
+    assert "learn" in calls and "choose" not in calls
+
+
 def test_learn_prepares_one_more_request_only_while_requests_wait_to_join():
     """A step verifies at most the requests in the engine now (running or waiting: a request arriving later needs its
     prompt first), so with none waiting a batch one larger cannot come next and is not ranked for."""

@@ -267,8 +267,16 @@ class StepGrid:
 
     def step(self, batch: int, k: int, prefill_tokens: int = 0) -> float:
         """T(batch, k) alone (`steps`' entry k, without building the row: the budget-bound ranking reads one k at
-        each of up to K + 1 batch sizes)."""
-        t = self._batch(max(batch, 1))[0][min(k, self.K)]
+        each of up to K + 1 batch sizes, each met once: interpolated here from the one or two rows, as `_batch`
+        would, without building and caching their whole rows)."""
+        batch, k = max(batch, 1), min(k, self.K)
+        got = self._at.get(batch)
+        if got is not None:
+            t = got[0][k]
+        else:
+            t = 0.0
+            for r, w in self._weights(batch):
+                t += w * self.monotone(r)[k]
         return t + self._prefill_extra(prefill_tokens) if prefill_tokens else t
 
     def monotone(self, r: int) -> list[float]:
@@ -484,6 +492,7 @@ class Ranking:
     serves: int = 0  # steps after `made` it may serve choices for (`AdaptiveDepth._rank`)
     weight: float = 0.0  # the acceptance evidence it was ranked with (position 1's decayed count of judgements)
     demand: tuple[int, int] = (0, 0)  # the requests and token budget it was ranked for (`_demand_of`)
+    unbound: "Ranking | None" = None  # where the budget bound it: the ranking without the bound (`AdaptiveDepth.choose`)
 
 
 @dataclass
@@ -568,11 +577,24 @@ class AdaptiveDepth(DepthPolicy):
         seconds = self.times.steps(batch, K, prefill_tokens)
         lo = min(self.k_min, K)
         sustained = self._sustained(tokens, K, lo, *demand)
+        free = [t / s for t, s in zip(tokens, seconds)]  # per request: the batch size is common to all
+        serves = self._max_age() if serves is None else serves
+        weight = self.acceptance.reached[0]
         if sustained is None:
-            goodput = [t / s for t, s in zip(tokens, seconds)]  # per request: the batch size is common to all
-        else:
-            goodput = [b * t / self.times.step(b, k, prefill_tokens)
-                       for k, (b, t) in enumerate(zip(sustained, tokens))]
+            return Ranking(rates, tokens, seconds, *self._pick(free, lo, K, batch), None, self._steps, serves, weight,
+                           demand)
+        goodput = [b * t / self.times.step(b, k, prefill_tokens) for k, (b, t) in enumerate(zip(sustained, tokens))]
+        best, alt, near = self._pick(goodput, lo, K, batch)
+        # the same ranking without the bound, for the next choices if their budget is unbounded (`_demand_of`: the
+        # prompts waiting fit the step), as a decode step's after the last prompt is in: else each ranked afresh
+        unbound = Ranking(rates, tokens, seconds, *self._pick(free, lo, K, batch), None, self._steps, serves, weight,
+                          (demand[0], 0))
+        return Ranking(rates, tokens, seconds, best, alt, near, sustained[best], self._steps, serves, weight, demand,
+                       unbound)
+
+    def _pick(self, goodput: list[float], lo: int, K: int, batch: int) -> tuple[int, int | None, bool]:
+        """The k of the best goodput in lo..K (ties to the shallower), the alternative exploration would run and
+        whether it is within the exploration margin of the best."""
         best = lo
         for k in range(lo + 1, K + 1):
             if goodput[k] > goodput[best]:
@@ -585,9 +607,7 @@ class AdaptiveDepth(DepthPolicy):
             for k in range(lo, K + 1):
                 if k != best and evidence[min(k, top)] < fresh and (alt is None or goodput[k] > goodput[alt]):
                     alt = k
-        near = alt is not None and goodput[alt] >= (1.0 - self.explore.margin) * goodput[best]
-        return Ranking(rates, tokens, seconds, best, alt, near, sustained[best] if sustained else None, self._steps,
-                       self._max_age() if serves is None else serves, self.acceptance.reached[0], demand)
+        return best, alt, alt is not None and goodput[alt] >= (1.0 - self.explore.margin) * goodput[best]
 
     @staticmethod
     def _demand_of(info: StepInfo, K: int) -> tuple[int, int]:
@@ -643,7 +663,8 @@ class AdaptiveDepth(DepthPolicy):
             r = None
         if r is not None and demand != r.demand:  # ranked for another demand
             if r.sustained is not None:
-                r = None  # the budget bound it
+                # the budget bound it: its unbound twin serves a demand whose budget is unbounded
+                r = r.unbound if demand[1] == 0 else None
             elif demand[1]:  # a budget to check now (0: unbounded, e.g. the backlog fits: no fold needed)
                 # the check reads the prompt share, which the last step moved (the step times: below)
                 self.fold(learn_times=self.rank_every == 1)
@@ -810,7 +831,7 @@ class AdaptiveDepth(DepthPolicy):
         # at most `batch` times): while the evidence grows fast, at a level's start, ranking stays here
         weight = self.acceptance.reached[0] + batch
         if self._round is None and age < self.rank_every and all(
-                (r := self.prepared.get(b)) is not None and r.demand == self._demand
+                (r := self.prepared.get(b)) is not None and self._serves(r)
                 and weight <= (1.0 + PREPARED_NEW_EVIDENCE) * r.weight for b in sizes):
             return  # the last rankings serve
         forced = busy is None or age >= STALE_ROUND * self.rank_every
@@ -829,9 +850,24 @@ class AdaptiveDepth(DepthPolicy):
             if b not in self._round:
                 if not forced and not busy():
                     return  # the device is done: the rest of the round waits for the next step's call
-                self.prepared[b] = self._rank(b, self.K, expected=expected, demand=self._demand)
+                self.prepared[b] = self._rank(b, self.K, expected=expected, demand=self._demand_for(b))
                 self._round.add(b)
         self._last_round, self._round = self._steps, None
+
+    def _serves(self, r: Ranking) -> bool:
+        """Whether `r` serves the last choice's demand as it is: ranked for it, or bound by a budget that is
+        unbounded now (its twin serves: `choose`)."""
+        return r.demand == self._demand or (r.unbound is not None and self._demand[1] == 0)
+
+    def _demand_for(self, batch: int) -> tuple[int, int]:
+        """The demand `learn` ranks this batch size for: the last choice's, except that a ranking the budget bound
+        is made again for its own demand while the budget is unbounded, its twin serving the unbounded choices. In
+        a stream the steps with prompt chunks (bound) and the decode steps between them (unbounded) alternate, and
+        ranking for the last one alone left the next of the other kind to rank afresh on the critical path."""
+        r = self.prepared.get(batch)
+        if self._demand[1] == 0 and r is not None and r.unbound is not None:
+            return r.demand
+        return self._demand
 
     def describe(self) -> dict[str, float]:
         self.fold()  # the metrics count every step, the last one before the engine idles too
