@@ -58,14 +58,16 @@ train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; 
 NGPU=$(nvidia-smi -L | wc -l)
 regen_big() {  # every GPU: the target answers data/big's prompts (one shard a GPU) into /tmp/regen_big.jsonl.
   # The prompts split into REGEN_SHARDS shards (default: one a GPU); GPU i answers shard REGEN_FIRST + i, so calls
-  # on one GPU can take disjoint prompts (REGEN_SHARDS=2, REGEN_FIRST=0 then 1).
-  # data/big.tar.xz (`tar cJf data/big.tar.xz -C data big`, 2 MB instead of 11) leaves room in the carry for heads
-  [ -d data/big ] || tar xJf data/big.tar.xz -C data || return 1
+  # on one GPU can take disjoint prompts (REGEN_SHARDS=2, REGEN_FIRST=0 then 1). REGEN_TOKENS: answer length (160).
+  # data/big.tar.xz (`tar cJf data/big.tar.xz -C data big`, 2 MB instead of 11) leaves room in the carry for heads.
+  # REGEN_DIR: another prompt folder of prepare_data.py's (default data/big), or its DIR.tar.xz
+  local dir=${REGEN_DIR:-data/big}
+  [ -d "$dir" ] || tar xJf "$dir.tar.xz" -C "$(dirname "$dir")" || return 1
   local shards=${REGEN_SHARDS:-$NGPU} first=${REGEN_FIRST:-0}
   if ((first + NGPU > shards)); then echo "regen_big: shards $first..$((first + NGPU - 1)) of $shards do not exist" >&2; return 1; fi
   for ((i = 0; i < NGPU; i++)); do
-    CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data data/big \
-      --target "${TARGET:-peagle_core/assets/tiny/target}" --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 \
+    CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_TIMEOUT:-220}" python3 scripts/tiny/train_pair.py --data "$dir" \
+      --target "${TARGET:-peagle_core/assets/tiny/target}" --out "/tmp/regen$i" --stop-after regen --regen-prompts 100000 --regen-tokens "${REGEN_TOKENS:-160}" \
       --regen-shard "$((first + i))/$shards" --regen-minutes "${REGEN_MINUTES:-2.2}" --regen-batch 512 \
       > "$OUT/regen$i.log" 2>&1 &
   done

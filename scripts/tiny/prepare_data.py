@@ -42,6 +42,43 @@ def code_prompts(corpus: Path, n: int, rng: random.Random) -> list[dict]:
     return found[:n]
 
 
+def body_prompts(corpus: Path, n: int, rng: random.Random, cuts: int = 2) -> list[dict]:
+    """Up to n prompts that run `cuts` random depths (1-8 lines) into a documented function's body: the target
+    continues real code mid-function, contexts the docstring prompts never reach."""
+    if n <= 0:
+        return []  # draws nothing, so the default prompt set stays what it was
+    found = []
+    for line in corpus.open():
+        doc = json.loads(line)
+        text = doc.get("text", "")
+        for m in DOCSTRING_DEF.finditer(text):
+            body = text[m.end():m.end() + 2000].split("\n")
+            for lines in rng.sample(range(1, 9), cuts):
+                if lines < len(body) and body[lines - 1].strip():
+                    found.append({"text": text[max(0, m.start() - 200):m.end()] + "\n".join(body[:lines]) + "\n"})
+    rng.shuffle(found)
+    return found[:n]
+
+
+def chat_prompts(doc: dict, turns: int, with_history: bool) -> list[dict]:
+    """A chat's first `turns` user turns as prompts; with_history, its later user turns each with the
+    conversation before them (ShareGPT's own replies), so the target answers in contexts the first turns lack."""
+    msgs = [m for m in doc["messages"] if m["role"] in ("user", "assistant")]
+    users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+    if not with_history:
+        return [{"messages": [msgs[i]]} for i in users[:turns] if 8 < len(msgs[i]["content"]) < 2000]
+    # the history is cut from the front to ~2000 characters (the regeneration keeps at most 640 tokens)
+    out = []
+    for i in users[1:turns + 1]:
+        if 8 < len(msgs[i]["content"]) < 2000:
+            start = i
+            while start > 0 and sum(len(m["content"]) for m in msgs[start - 1:i + 1]) < 2000:
+                start -= 1
+            start += msgs[start]["role"] == "assistant"  # a chat opens with a user turn
+            out.append({"messages": [{"role": m["role"], "content": m["content"]} for m in msgs[start:i + 1]]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="data")
@@ -51,6 +88,10 @@ def main() -> None:
                     help="extra prompts ending after a Python function's signature and docstring")
     ap.add_argument("--per-doc", type=int, default=1,
                     help="prompts drawn from each corpus document: its first N user turns, or N text windows")
+    ap.add_argument("--chat-history", action="store_true",
+                    help="chat prompts are the user turns after the first, each with the conversation before it")
+    ap.add_argument("--num-body-prompts", type=int, default=0,
+                    help="extra prompts ending 1-8 lines into a documented Python function's body")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
@@ -66,14 +107,14 @@ def main() -> None:
     for line in corpus.open():
         doc = json.loads(line)
         if "messages" in doc:
-            turns = [m["content"] for m in doc["messages"] if m["role"] == "user"][:args.per_doc]
-            prompts += [{"messages": [{"role": "user", "content": c}]} for c in turns if 8 < len(c) < 2000]
+            prompts += chat_prompts(doc, args.per_doc, args.chat_history)
         else:
             for _ in range(args.per_doc):
                 start = rng.randrange(0, max(1, len(doc["text"]) - 400))
                 prompts.append({"text": doc["text"][start:start + 300]})
     rng.shuffle(prompts)
-    prompts = prompts[:args.num_prompts] + code_prompts(corpus, args.num_code_prompts, rng)
+    prompts = (prompts[:args.num_prompts] + code_prompts(corpus, args.num_code_prompts, rng)
+               + body_prompts(corpus, args.num_body_prompts, rng))
     rng.shuffle(prompts)
     with (out / "regen_prompts.jsonl").open("w") as f:
         for p in prompts:
