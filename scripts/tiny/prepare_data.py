@@ -66,7 +66,8 @@ def chat_prompts(doc: dict, turns: int, with_history: bool) -> list[dict]:
     msgs = [m for m in doc["messages"] if m["role"] in ("user", "assistant")]
     users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
     if not with_history:
-        return [{"messages": [msgs[i]]} for i in users[:turns] if 8 < len(msgs[i]["content"]) < 2000]
+        return [{"messages": [{"role": "user", "content": msgs[i]["content"]}]} for i in users[:turns]
+                if 8 < len(msgs[i]["content"]) < 2000]
     # the history is cut from the front to ~2000 characters (the regeneration keeps at most 640 tokens)
     out = []
     for i in users[1:turns + 1]:
@@ -89,7 +90,7 @@ def main() -> None:
     ap.add_argument("--per-doc", type=int, default=1,
                     help="prompts drawn from each corpus document: its first N user turns, or N text windows")
     ap.add_argument("--chat-history", action="store_true",
-                    help="chat prompts are the user turns after the first, each with the conversation before it")
+                    help="chat prompts are the N user turns after the first, each with the conversation before it")
     ap.add_argument("--num-body-prompts", type=int, default=0,
                     help="extra prompts ending 1-8 lines into a documented Python function's body")
     ap.add_argument("--seed", type=int, default=0)
