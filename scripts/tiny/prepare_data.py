@@ -43,8 +43,9 @@ def code_prompts(corpus: Path, n: int, rng: random.Random) -> list[dict]:
 
 
 def body_prompts(corpus: Path, n: int, rng: random.Random, cuts: int = 2) -> list[dict]:
-    """Up to n prompts that run `cuts` random depths (1-8 lines) into a documented function's body: the target
-    continues real code mid-function, contexts the docstring prompts never reach."""
+    """Up to n prompts that stop `cuts` random depths (1-8 lines) past a documented function's docstring, each at a
+    non-blank line: the target continues real code mid-function (or just past a short one), contexts the docstring
+    prompts never reach."""
     if n <= 0:
         return []  # draws nothing, so the default prompt set stays what it was
     found = []
@@ -72,9 +73,10 @@ def chat_prompts(doc: dict, turns: int, with_history: bool) -> list[dict]:
     out = []
     for i in users[1:turns + 1]:
         if 8 < len(msgs[i]["content"]) < 2000:
-            start = i
-            while start > 0 and sum(len(m["content"]) for m in msgs[start - 1:i + 1]) < 2000:
+            start, chars = i, len(msgs[i]["content"])
+            while start > 0 and chars + len(msgs[start - 1]["content"]) < 2000:
                 start -= 1
+                chars += len(msgs[start]["content"])
             start += msgs[start]["role"] == "assistant"  # a chat opens with a user turn
             out.append({"messages": [{"role": m["role"], "content": m["content"]} for m in msgs[start:i + 1]]})
     return out
@@ -92,7 +94,7 @@ def main() -> None:
     ap.add_argument("--chat-history", action="store_true",
                     help="chat prompts are the N user turns after the first, each with the conversation before it")
     ap.add_argument("--num-body-prompts", type=int, default=0,
-                    help="extra prompts ending 1-8 lines into a documented Python function's body")
+                    help="extra prompts ending 1-8 lines past a documented Python function's docstring")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     out = Path(args.out)
