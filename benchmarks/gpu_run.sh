@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_run.sh pair-pretrain  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz)
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
 #   bash benchmarks/gpu_run.sh peagle-layers  # two H200s (or one: head A): the same responses, then P-EAGLE heads (LAYERS_A/B, EXTRA_A/B)
+#   bash benchmarks/gpu_run.sh pair-finetune  # one GPU: the same responses (REGEN_DIR), then both shipped heads continued with EXTRA
 #   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
 #   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
 #   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
@@ -264,6 +265,25 @@ case "${1:-}" in
     tail -n 2 "$OUT"/peagle_?.log
     tar czf "$OUT/peagle_heads.tgz" -C /tmp $(cd /tmp && ls -d peagle_a peagle_b 2>/dev/null)
     ;;
+  pair-finetune)  # one GPU: regenerate as pair-heads does, then continue both shipped heads on those answers, one
+                  # after the other: P-EAGLE for HEAD_MINUTES, then EAGLE-3 for as many optimizer steps (at most
+                  # E3_MINUTES), both with HEAD_LR and EXTRA more `peagle train` arguments (e.g. "--loss ce")
+    regen_big || exit 1
+    finetune() {  # finetune METHOD [args]: the shipped METHOD head, continued into /tmp/ft/METHOD
+      local m=$1; shift
+      PEAGLE_TRITON=0 timeout "${HEADS_TIMEOUT:-300}" python3 -m peagle_core.training.cli train \
+        --target peagle_core/assets/tiny/target --data /tmp/regen_big.jsonl --method "$m" --init "peagle_core/assets/tiny/$m" \
+        --batch-size "${HEAD_BATCH:-64}" --max-len 896 --lr "${HEAD_LR:-5e-4}" --warmup-ratio 0.05 --aux-layers "${AUX:-1,3,5}" \
+        --intermediate-size 768 --share-target-embeddings --no-progress ${EXTRA:-} "$@" \
+        --out "/tmp/ft/$m" --log-jsonl "/tmp/ft/${m}_train.jsonl" > "$OUT/ft_$m.log" 2>&1
+      tail -n 1 "$OUT/ft_$m.log" | cut -c 1-300
+    }
+    mkdir -p /tmp/ft
+    finetune peagle --num-depths 8 --layers 4 --mask-token-id 9 --steps 100000 --time-budget-minutes "${HEAD_MINUTES:-3.3}"
+    steps=$(grep -c . /tmp/ft/peagle_train.jsonl) || exit 1
+    finetune eagle3 --num-depths 5 --layers 1 --steps "$steps" --time-budget-minutes "${E3_MINUTES:-2.5}"
+    tar czf "$OUT/pair_finetune.tgz" -C /tmp ft
+    ;;
   train-speed)  # one H200: head-training step times at the real run's batch (one process on the GPU): eager with the
                 # default pass size, then --compile; each logs every step to $OUT (cut short, it keeps what ran)
     for m in "peagle --num-depths 8 --layers 2 --mask-token-id 9" "eagle3 --num-depths 5 --layers 1"; do
@@ -285,5 +305,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac
