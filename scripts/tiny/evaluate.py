@@ -6,8 +6,8 @@
 MT-Bench questions go through the chat template, HumanEval prompts are completed as raw code.
 Every greedy speculative run is also checked token-for-token against plain greedy decoding. With --temperature T
 the runs sample (seed i for prompt i): rejection sampling keeps the target's distribution, not its draws, so the
-outputs are not compared; the acceptance is then that of sampled verification, which rewards a drafter whose
-distribution matches the target's and not only its argmax.
+outputs are not compared. Drafts are still proposed greedily, so a draft is then accepted with the target's
+probability of it (`kernels/sampling.py`): acceptance falls with the target's uncertainty.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Tiny pair: held-out acceptance and CPU speed", "",
              f"Machine: {meta['machine']}; torch {meta['torch']}; {meta['date']}.", "",
              f"Command: `{meta['command']}`", "",
-             (f"Greedy" if not meta.get("temperature") else f"Sampled at temperature {meta['temperature']} (seed i "
+             ("Greedy" if not meta.get("temperature") else f"Sampled at temperature {meta['temperature']} (seed i "
               f"for prompt i; outputs not compared with plain decoding)") +
              ", all prompts of a set batched together; tok/s is output tokens over wall time for the whole set.", "",
              f"![per-position acceptance]({meta['plot']})", "",
