@@ -10,26 +10,19 @@ the drafter's cache in step for the next k > 0).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
-from peagle_core import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parents[1]
+from adaptive_sweep import heldout_prompts  # noqa: E402
+from peagle_core import LLM, SamplingParams  # noqa: E402
+
 PEAGLE = {"method": "eagle3", "model": "tiny-peagle", "parallel_drafting": True}
 MODES = {"none": None, "K3": {**PEAGLE, "num_speculative_tokens": 3},
          "adaptive7": {**PEAGLE, "num_speculative_tokens": 7, "adaptive": True}}
-
-
-def load_prompts():
-    spec = importlib.util.spec_from_file_location("tiny_evaluate", ROOT / "scripts/tiny/evaluate.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod.load_prompts
 
 
 def main() -> None:
@@ -40,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     for name, spec in MODES.items():
         llm = LLM("tiny", device="cpu", dtype="float32", max_num_seqs=4, max_model_len=1024, speculative_config=spec)
-        prompts = load_prompts()(llm.tokenizer, args.prompts)["mtbench"]
+        prompts = heldout_prompts(llm.tokenizer, args.prompts)["mtbench"]
         params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=i)
                   for i in range(len(prompts))]
         llm.generate(prompts[:4], params[:4])  # warm-up

@@ -30,14 +30,18 @@ def corpus_module():
 DOCSTRING_DEF = re.compile(r'(?m)^[ \t]*def \w+\([^)]*\)[^:\n]*:\n[ \t]+("""|\'\'\')[\s\S]{10,600}?\1\n')
 
 
+def documented_defs(corpus: Path):
+    """(text, match) for each documented function header in the corpus's Python source, in corpus order."""
+    for line in corpus.open():
+        text = json.loads(line).get("text", "")
+        for m in DOCSTRING_DEF.finditer(text):
+            yield text, m
+
+
 def code_prompts(corpus: Path, n: int, rng: random.Random) -> list[dict]:
     """Up to n prompts from the corpus's Python source: some preceding context, then `def ...:` and its
     docstring. Drawn from the training corpus (HumanEval itself stays held out)."""
-    found = []
-    for line in corpus.open():
-        doc = json.loads(line)
-        for m in DOCSTRING_DEF.finditer(doc.get("text", "")):
-            found.append({"text": doc["text"][max(0, m.start() - 200):m.end()]})
+    found = [{"text": text[max(0, m.start() - 200):m.end()]} for text, m in documented_defs(corpus)]
     rng.shuffle(found)
     return found[:n]
 
@@ -49,14 +53,11 @@ def body_prompts(corpus: Path, n: int, rng: random.Random, cuts: int = 2) -> lis
     if n <= 0:
         return []  # draws nothing, so the default prompt set stays what it was
     found = []
-    for line in corpus.open():
-        doc = json.loads(line)
-        text = doc.get("text", "")
-        for m in DOCSTRING_DEF.finditer(text):
-            body = text[m.end():m.end() + 2000].split("\n")
-            for lines in rng.sample(range(1, 9), cuts):
-                if lines < len(body) and body[lines - 1].strip():
-                    found.append({"text": text[max(0, m.start() - 200):m.end()] + "\n".join(body[:lines]) + "\n"})
+    for text, m in documented_defs(corpus):
+        body = text[m.end():m.end() + 2000].split("\n")
+        for lines in rng.sample(range(1, 9), cuts):
+            if lines < len(body) and body[lines - 1].strip():
+                found.append({"text": text[max(0, m.start() - 200):m.end()] + "\n".join(body[:lines]) + "\n"})
     rng.shuffle(found)
     return found[:n]
 
