@@ -258,7 +258,9 @@ def test_killed_worker_fails_generate_fast_and_for_good(ckpt, monkeypatch):
 
 
 def test_worker_dying_inside_a_collective_is_named(ckpt, monkeypatch):
-    """Skip the per-step liveness check: the broadcast to a dead peer fails and the error names it."""
+    """Skip the per-step liveness check: the broadcast to a dead peer fails and the error names it (within the
+    collective bound even where the socket's close goes unnoticed)."""
+    monkeypatch.setenv("PEAGLE_TP_TIMEOUT_S", "5")
     llm = LLM(ckpt["target"], device="cpu", tensor_parallel_size=2)
     group = llm.engine.tp
     worker = group.workers.procs[1]
@@ -272,6 +274,22 @@ def test_worker_dying_inside_a_collective_is_named(ckpt, monkeypatch):
     assert time.monotonic() - t0 < 10
     assert not llm.engine.requests  # the batch's requests were finished with an error
     llm.engine.shutdown()
+
+
+def test_stalled_worker_fails_the_step_within_the_collective_bound(ckpt, monkeypatch):
+    """A worker that is alive but never answers (stopped) must not hang rank 0: the step fails after the bound."""
+    monkeypatch.setenv("PEAGLE_TP_TIMEOUT_S", "3")
+    llm = LLM(ckpt["target"], device="cpu", tensor_parallel_size=2)
+    worker = llm.engine.tp.workers.procs[1]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TPError, match="tensor-parallel .* failed"):
+            llm.generate([1, 2, 3], GREEDY)
+        assert time.monotonic() - t0 < 20
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        llm.engine.shutdown()
 
 
 def test_async_engine_reports_a_dead_worker_unhealthy(ckpt):

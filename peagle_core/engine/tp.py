@@ -25,8 +25,8 @@ The drafter is small: rank 0 holds a full copy with its KV cache and is the only
 
 Each instance has its own TCPStore on a free port and its own process groups, built directly (never
 torch.distributed's process-global default group), so several engines can live in one process.
-`PEAGLE_TP_TIMEOUT_S` (default 300) bounds each compute collective, and worker start-up (never below 60 s:
-spawning a process and importing torch on a loaded machine takes seconds, whatever the collective bound).
+`PEAGLE_TP_TIMEOUT_S` (default 300) bounds each compute collective, each header rank 0 sends, and worker start-up
+(never below 60 s: spawning a process and importing torch on a loaded machine takes seconds, whatever the bound).
 """
 from __future__ import annotations
 
@@ -161,9 +161,9 @@ class Communicator:
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, host: str, timeout_s: float):
         self.rank, self.world, self.device = rank, world, device
-        timeout = dt.timedelta(seconds=timeout_s)
+        self.timeout = timeout = dt.timedelta(seconds=timeout_s)
         self.ctrl = _gloo(dist.PrefixStore("ctrl", store), rank, world, host, timeout)  # bounded rendezvous
-        self.ctrl._set_default_timeout(IDLE)
+        self.ctrl._set_default_timeout(IDLE)  # workers wait for headers as long as the engine idles
         if device.type == "cuda":
             self.compute = _nccl(dist.PrefixStore("compute", store), rank, world, timeout)
         else:
@@ -177,10 +177,14 @@ class Communicator:
         self.compute.broadcast(t, 0).wait()
         return t
 
-    def send_header(self, *fields: int) -> None:
+    def send_header(self, *fields: int, timeout: dt.timedelta | None = None) -> None:
+        """Rank 0's side, bounded: a gloo send completes only once the peer has posted its receive, so a worker that
+        stopped listening would otherwise hang rank 0 for good."""
         h = torch.zeros(HEADER, dtype=torch.long)
         h[:len(fields)] = torch.tensor(fields, dtype=torch.long)
-        self.ctrl.broadcast(h, 0).wait()
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.timeout = 0, timeout or self.timeout
+        self.ctrl.broadcast([h], opts).wait()
 
     def recv_header(self) -> list[int]:
         h = torch.zeros(HEADER, dtype=torch.long)
@@ -612,7 +616,7 @@ class TPWorkerGroup:
         self.closed = True
         if self.started and self.broken is None:
             try:
-                self.comm.send_header(SHUTDOWN)
+                self.comm.send_header(SHUTDOWN, timeout=dt.timedelta(seconds=5))  # idle workers listen at once
                 self.workers.join(5.0)
             except Exception:
                 pass
