@@ -4,8 +4,8 @@ adaptive policy (K up to 7), greedy or sampled, over held-out MT-Bench prompts; 
     python benchmarks/tiny_sampled_speed.py --temperature 1.0 --prompts 24
 
 At temperature 1 the tiny target is uncertain enough that drafts are seldom accepted: this shows what speculation
-costs then, and how much of it the adaptive policy wins back (its k = 0 still runs P-EAGLE's draft pass, which keeps
-the drafter's cache in step for the next k > 0).
+costs then, and how much of it the adaptive policy wins back (a step at k = 0 that drafts nothing runs no drafter; the
+next step that drafts catches the drafter's cache up).
 """
 from __future__ import annotations
 

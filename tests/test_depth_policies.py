@@ -266,7 +266,8 @@ def test_grid_profile_steps_replay_the_cuda_graphs_like_live_decode_steps(tiny_p
     graphs = runner.graphs = GraphRunner(runner, 4, capture=False)
     profile_step_grid(runner, max_batch=4, K=3, context=32)
     steps = 3 + 4 * 3 * 4  # drafter proposals at B = 1, 2, 4, then 4 passes x 3 sizes x k = 0..3
-    assert graphs.target.num_replays == steps and graphs.draft_steps.num_replays == steps
+    # k = 0 drafts nothing (a policy settled there runs no drafter): its cells replay no drafter step
+    assert graphs.target.num_replays == steps and graphs.draft_steps.num_replays == steps - 4 * 3
 
 
 @pytest.mark.parametrize("model", ["grid", "tokens"])
@@ -616,6 +617,59 @@ def test_a_step_verifies_what_the_last_one_drafted_and_drafts_what_the_policy_as
     verified = [o.k for o in policy.outcomes[:4]]
     assert verified == [1, 3, 2, 2]  # asked 3 holding 1, 3 holding 3, 2 holding 3, 3 holding 2
     assert all(d == k for o, k in zip(policy.outcomes[:4], verified) for d, _ in o.accepted)
+
+
+@pytest.mark.parametrize("mode", ["peagle", "eagle3"])
+@pytest.mark.parametrize("max_behind", [256, 3])
+def test_a_step_that_drafts_nothing_runs_no_drafter_and_the_next_that_drafts_catches_its_cache_up(
+        tiny_pair, mode, max_behind):
+    """k = 0 asking for no drafts runs no drafter (a policy settled at 0 then decodes as plain decoding does); the
+    next step that drafts first writes the drafter's K/V of the skipped positions, in one forward. The drafter's
+    cache then holds what a run drafting at every step wrote, and the output stays plain greedy. With a small
+    `MAX_BEHIND` the skipped positions are caught up during the run of k = 0 steps as well."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = LLM(tiny_pair["target"], device="cpu").generate(PROMPTS[1:2], sp)[0].outputs[0].token_ids
+
+    def run(script: list[int]):
+        llm = LLM(tiny_pair["target"], device="cpu", speculative_config={
+            "method": "eagle3", "model": tiny_pair[mode], "num_speculative_tokens": 3,
+            "parallel_drafting": mode == "peagle"})
+        runner, calls = llm.engine.runner, []
+        runner.MAX_BEHIND = max_behind
+        forward = runner.drafter.forward
+        runner.drafter.forward = lambda *a, **kw: (calls.append(a[0].shape[0]), forward(*a, **kw))[1]
+        llm.engine.policy = Scripted(script)
+        req = llm.engine.add_request("r", PROMPTS[1], sp)
+        per_step, table = [], []
+        while llm.engine.has_work():
+            calls.clear()
+            llm.engine.step()
+            per_step.append(list(calls))
+            table = list(req.block_table) or table
+        return req, runner, per_step, table
+
+    want = [3] * 30
+    skip = [3, 3, 0, 0, 0, 0, 0, 0, 0, 3] + [3] * 20  # the prefill step, one step verifying 3, then seven at k = 0
+    a, runner_a, _, table_a = run(want)
+    b, runner_b, steps_b, table_b = run(skip)
+    assert a.output_ids == b.output_ids == ref
+    # the steps asking no drafts (k = 0 after the first two) ran no drafter forward, unless catching up
+    skipped = steps_b[2:9]
+    if max_behind > 10:
+        assert all(c == [] for c in skipped)
+    else:  # every few steps one catch-up forward over the positions kept so far
+        assert any(c for c in skipped) and all(len(c) <= 1 for c in skipped)
+    assert b.behind is None or b.finished
+    # the drafter's K/V of every position the run computed, as the run drafting at every step wrote them
+    n = len(PROMPTS[1]) + len(ref) - 4
+    bs = runner_a.block_size
+
+    def drafter_kv(runner, table):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+        cache = runner.drafter_cache
+        return cache.flatten(2, 3)[:, :, slots]
+
+    torch.testing.assert_close(drafter_kv(runner_b, table_b), drafter_kv(runner_a, table_a), rtol=1e-4, atol=1e-5)
 
 
 def test_adaptive_predicts_the_depth_it_can_verify_and_measures_a_deeper_alternative_a_step_later():

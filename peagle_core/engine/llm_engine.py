@@ -243,7 +243,9 @@ class LLMEngine:
         gc.unfreeze()
 
     def step(self) -> list[Update]:
-        running = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.drafts]
+        # decoding requests: with no drafts after a step that drafted none, they verify nothing (k = 0) but the
+        # choice still decides whether this step drafts for the next
+        running = [r for r in self.scheduler.running if r.num_uncomputed == 1 and r.num_output]
         # The choice is also the depth this step drafts for the next (`draft_depth`: at least it); it can verify
         # only what the last step drafted (one k for every request keeps the step a graph's uniform decode)
         drafts = min((len(r.drafts) for r in running), default=self.K)

@@ -6,6 +6,7 @@ The step reads like the method (DESIGN.md, "One engine step"):
   3. rejected K/V need no work: the request's length rolls back and later writes overwrite them;
   4. drafter: P-EAGLE runs ONE forward over `[accepted, bonus, MASK x (K-1)]` and reads K drafts;
      EAGLE-3 runs one forward over `[accepted, bonus]`, then K-1 single-token passes feeding itself back;
+     a step asked for no drafts skips it and keeps its inputs for the next step that drafts (`_catch_up`);
   5. one device-to-host copy brings back emitted tokens and drafts for the scheduler.
 """
 from __future__ import annotations
@@ -128,8 +129,10 @@ class ModelRunner:
         uniform = is_uniform_decode(batch)
         width = max(map(len, host.forward.block_tables))
         key = self.graphs.target.key(B, T, uniform, width) if self.graphs is not None else None
-        n = self.K if draft_len is None else min(self.K, max(1, draft_len))
-        if key is not None and self.graphs.draft_steps is not None:
+        n = self.K if draft_len is None else min(self.K, max(0, draft_len))
+        if n == 0 and any(s.num_drafts for s in batch):
+            n = 1  # a step drafts nothing only when it verifies nothing: its positions are then all real tokens
+        if n and key is not None and self.graphs.draft_steps is not None:
             self.graphs.draft_steps.ensure(key, n)  # a first capture pads the target's buffers: before they load
         if key is not None:
             # the graph copies its inputs in itself: until its launch the host makes no CUDA call
@@ -143,7 +146,10 @@ class ModelRunner:
 
         tokens, num_accepted, next_ids = self._verify(batch, hidden, inp)
         drafts = None
-        if self.drafter is not None:
+        if self.drafter is not None and n == 0:
+            self._fall_behind(batch, aux, host.forward.query_start_loc, T)
+        elif self.drafter is not None:
+            self._catch_up([s.req for s in batch])
             drafts = self._draft(key, uniform, input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
         if while_busy is not None and self._device_busy():
             while_busy(self._device_busy)
@@ -260,6 +266,52 @@ class ModelRunner:
             uniforms[cu[j]:cu[j + 1]].uniform_(generator=g)
             noise[cu[j]:cu[j + 1]].exponential_(generator=g)
         return uniforms, noise
+
+    # A step that drafts nothing (the depth policy chose k = 0 and wants no drafts next) skips the drafter: it
+    # keeps each request's drafter inputs instead (`Request.behind`), and the next step that drafts first writes
+    # the drafter's K/V for them in one forward, as the context of a prompt chunk. Without this a k = 0 step
+    # still cost a drafter pass, and adaptive depth could never decode as fast as no speculation.
+    MAX_BEHIND = 256  # positions a request may fall behind before they are caught up anyway (memory)
+
+    def _fall_behind(self, batch: list[Scheduled], aux, query_start_loc: list[int], T: int) -> None:
+        """Keep the drafter's input rows of this step's positions (the target's fused aux hidden states)."""
+        self._catch_up([s.req for s in batch if s.req.behind is not None
+                        and s.req.num_computed - s.req.behind[0] >= self.MAX_BEHIND])
+        rows = self.drafter.combine(aux[:T])  # a new tensor: graph outputs are overwritten by the next replay
+        for i, s in enumerate(batch):
+            r, h = s.req, rows[query_start_loc[i]:query_start_loc[i + 1]]
+            if r.behind is None:
+                r.behind = (r.num_computed, [h])
+            else:
+                r.behind[1].append(h)
+
+    def _catch_up(self, reqs: list) -> None:
+        """One drafter forward over the positions the requests' drafter cache lacks, writing their K/V: position p
+        gets the token at p + 1 and p's kept row, as in any drafter step's context (`prepare_draft_inputs`)."""
+        behind = [r for r in reqs if r.behind is not None]
+        if not behind:
+            return
+        ids, pos, qsl, seq, slots, rows = [], [], [0], [], [], []
+        for r in behind:
+            start, chunks = r.behind
+            r.behind = None
+            h = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+            end = start + h.shape[0]
+            ids += r.token_ids[start + 1:end + 1]
+            pos += range(start, end)
+            qsl.append(qsl[-1] + end - start)
+            seq.append(end)
+            slots += host_slots(r.block_table, start, end, self.block_size, self.max_model_len)
+            rows.append(h)
+        width = max(len(r.block_table) for r in behind)
+        dev, long = self.device, torch.long
+        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in behind], dtype=long,
+                              device=dev)
+        meta = ForwardMeta(positions=torch.tensor(pos, dtype=long, device=dev),
+                           query_start_loc=torch.tensor(qsl, dtype=long, device=dev),
+                           seq_lens=torch.tensor(seq, dtype=long, device=dev),
+                           slot_mapping=torch.tensor(slots, dtype=long, device=dev), block_tables=tables)
+        self.drafter(torch.tensor(ids, dtype=long, device=dev), torch.cat(rows), meta)
 
     def _forward(self, model, input_ids, hidden, meta: ForwardMeta, uniform: bool):
         """A drafter forward outside a captured drafter step: replayed from a graph when one fits."""

@@ -24,8 +24,11 @@ class Request:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     token_ids: list[int] = field(default_factory=list)   # prompt + accepted output
-    num_computed: int = 0          # positions whose target (and drafter) K/V are valid
+    num_computed: int = 0          # positions whose target (and drafter, but for `behind`) K/V are valid
     drafts: list[int] = field(default_factory=list)      # proposals for the next positions, verified next step
+    # (first position, [rows]): positions since which steps drafted nothing, and the drafter's input rows for them,
+    # written into its cache by the next step that drafts (`ModelRunner._catch_up`)
+    behind: tuple[int, list[torch.Tensor]] | None = None
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None

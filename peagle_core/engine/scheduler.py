@@ -111,7 +111,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.blocks.release(req.block_table)
-        req.num_computed, req.drafts, req.status = 0, [], Status.WAITING
+        req.num_computed, req.drafts, req.behind, req.status = 0, [], None, Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.running.remove(req)

@@ -472,6 +472,8 @@ def profile_step_grid(runner, max_batch: int, K: int, context: int = 256, passes
             runner.execute(batch, draft_len=k)  # ends in the step's device-to-host copy
             if timed:
                 times[B, k] = min(times[B, k], time.perf_counter() - t0)
+            for s in batch:  # k = 0 drafted nothing and kept the drafter's inputs: the next cell must not catch up
+                s.req.behind = None
     return StepGrid({B: [times[B, k] for k in range(K + 1)] for B in sizes})
 
 
