@@ -140,7 +140,8 @@ def test_replica_exports_depth_metrics_and_span_attributes():
     # the only request: its steps are the engine's, less the accepted drafts max_tokens cut from its last step (at
     # most K = 3: the span counts steps from the tokens emitted)
     assert policy["steps"] - 3 <= a["peagle.spec.decode_steps"] <= policy["steps"]
-    # its drafts per step are the chosen k, except where max_tokens left room for fewer
-    assert a["peagle.spec.mean_depth"] <= policy["depth_sum"] / policy["steps"] + 1e-9
+    # its drafts per step are the chosen k, except where max_tokens left room for fewer. Compared as totals: the
+    # span's step count may be short (above), which would raise its mean depth above the policy's
+    assert a["peagle.spec.num_draft_tokens"] <= policy["depth_sum"]
     if a.get("peagle.spec.num_draft_tokens"):
         assert 0 <= a["peagle.spec.acceptance_rate"] <= 1
