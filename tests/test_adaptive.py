@@ -62,6 +62,26 @@ def test_forgetting_returns_to_prior_so_zero_is_not_absorbing():
     assert p.choose(StepInfo(4, 0, 7)) > 0
 
 
+def test_position_one_keeps_its_evidence_through_k_zero_steps_and_deeper_positions_do_not():
+    """A k = 0 step judges nothing. Position 1's low rate must outlive a few such steps (leaving k = 0 costs a
+    drafter pass and a catch-up, so a fast drift back to the prior made a settled policy probe every ~15 steps);
+    a deeper position nobody reaches still drifts back to its neighbour's rate fast."""
+    est = AcceptanceEstimate(3)
+    for _ in range(50):
+        est.observe([(3, 2)] * 4)  # positions 1, 2 always pass, 3 always fails
+    for _ in range(30):
+        est.observe([])  # k = 0 steps
+    a1, a2, a3 = est.rates()
+    assert a1 > 0.9  # its evidence (~69 of ~127 judgements) still dominates the prior's 4 pseudo-observations
+    assert a3 > 0.3  # 127 failures decayed to ~5 at 0.9 a step: the neighbour's rate weighs in again
+    low = AcceptanceEstimate(3)
+    for _ in range(50):
+        low.observe([(3, 0)] * 4)
+    for _ in range(30):
+        low.observe([])
+    assert low.rates()[0] < 0.05
+
+
 def test_bounds_are_respected():
     assert policy(rates=[0.0] * 7, k_min=2).choose(StepInfo(4, 0, 7)) == 2
     with pytest.raises(ValueError):

@@ -36,13 +36,18 @@ class AcceptanceEstimate:
     it) forgets faster than one that was judged: the choices that skip it cannot refresh its evidence, so a
     low early rate must not outlive them (a policy dropped to k = 1 at a level's start and, at the slow rate,
     stayed there for a quarter of the level). A position that keeps being judged keeps the slow rate, so its
-    estimate stays precise where acceptance is steady (docs/adaptive_log.md)."""
+    estimate stays precise where acceptance is steady (docs/adaptive_log.md).
+
+    Position 1 always forgets at the slow rate. Nobody judges it only in k = 0 steps, and leaving k = 0 costs a
+    drafter pass plus the catch-up of the positions skipped, for one probe step; forgetting it fast sent a policy
+    that had settled at k = 0 (sampled requests the drafter rarely guesses) back to a probe every ~15 steps. It still
+    drifts back to the prior, only slower, and exploration tries k > 0 meanwhile, so k = 0 is not absorbing."""
 
     K: int
     prior: float = 0.6
     prior_weight: float = 4.0
     decay: float = 0.98  # per step, for a position some request judged: the estimate follows the workload
-    unjudged_decay: float = 0.9  # per step, for a position nobody judged: back to its neighbour's rate in ~20
+    unjudged_decay: float = 0.9  # per step, for a position past 1 nobody judged: back to its neighbour's rate in ~20
     reached: list[float] = field(default_factory=list)   # (decayed) times position j was judged
     accepted: list[float] = field(default_factory=list)  # (decayed) times it passed
 
@@ -65,8 +70,8 @@ class AcceptanceEstimate:
         for j in range(K - 1, -1, -1):
             judged += judged_to[j + 1]
             passed += passed_to[j + 1]
-            # forget: without new evidence a position returns to its neighbour's rate
-            decay = self.decay if judged else self.unjudged_decay
+            # forget: without new evidence a position returns to its neighbour's rate (position 1: slowly, above)
+            decay = self.decay if judged or j == 0 else self.unjudged_decay
             self.reached[j] = self.reached[j] * decay + judged
             self.accepted[j] = self.accepted[j] * decay + passed
 
