@@ -390,7 +390,7 @@ def _span_stats(span, out, queue_s: float | None) -> None:
         span.set_attribute("peagle.spec.num_accepted_tokens", s.num_accepted_tokens)
         span.set_attribute("peagle.spec.acceptance_length", float(s.acceptance_length))
         span.set_attribute("peagle.spec.num_accepted_tokens_per_pos", list(s.num_accepted_tokens_per_pos))
-        for key, value in speculation_span_attributes(s, m.get("num_generated_tokens")).items():
+        for key, value in speculation_span_attributes(s, m.get("num_steps")).items():
             span.set_attribute(key, value)  # mean depth k over the request's steps, acceptance rate
 
 

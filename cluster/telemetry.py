@@ -237,13 +237,14 @@ _TALLY_KEYS = ("steps", "depth_sum", "realized_tokens", "step_seconds", "predict
                "predicted_step_seconds", "explored_steps")
 
 
-def speculation_span_attributes(spec: Any, num_generated: int | None) -> dict[str, float | int]:
-    """A request's depth and acceptance for its engine span, from its `SpecDecodeStats`.
+def speculation_span_attributes(spec: Any, num_steps: int | None) -> dict[str, float | int]:
+    """A request's depth and acceptance for its engine span, from its `SpecDecodeStats` and the engine's count of
+    the steps that emitted tokens for it (`num_steps` in its metrics).
 
-    The request's stats count only steps that verified drafts, so `peagle.spec.mean_depth` (k averaged
-    over all its decode steps, k = 0 included) takes the decode-step count from the tokens: the first
-    token comes from the prefill and each decode step emits accepted + 1, so steps = generated - 1 -
-    accepted (exact unless the request was preempted or stopped inside an accepted run).
+    The request's stats count only steps that verified drafts, so `peagle.spec.mean_depth` (k averaged over all
+    its decode steps, k = 0 included) takes the decode-step count from the engine: every step that emitted tokens
+    for it but the first, whose token came from the prompt. (A preempted request's recompute also emits a token:
+    it counts as a step at k = 0.)
     """
     out: dict[str, float | int] = {}
     if spec is None:
@@ -252,8 +253,8 @@ def speculation_span_attributes(spec: Any, num_generated: int | None) -> dict[st
         out["peagle.spec.acceptance_rate"] = spec.num_accepted_tokens / spec.num_draft_tokens
     if spec.num_drafts:
         out["peagle.spec.mean_depth_verifying"] = spec.num_draft_tokens / spec.num_drafts
-    if num_generated:
-        steps = max(int(num_generated) - 1 - spec.num_accepted_tokens, spec.num_drafts)
+    if num_steps:
+        steps = int(num_steps) - 1
         if steps > 0:
             out["peagle.spec.decode_steps"] = steps
             out["peagle.spec.mean_depth"] = spec.num_draft_tokens / steps

@@ -39,7 +39,7 @@ def test_span_mean_depth_counts_steps_at_k0_and_matches_the_engine(tiny_pair):
     pol = llm.engine.policy = Cycle()
     out = llm.generate([list(range(10, 25))], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     s = out.spec_decode_stats
-    attrs = speculation_span_attributes(s, len(out.outputs[0].token_ids))
+    attrs = speculation_span_attributes(s, out.metrics["num_steps"])
     decode_steps = llm.engine.num_steps - 1  # one request: every step but the prefill decoded it
     assert attrs["peagle.spec.decode_steps"] == decode_steps == len(pol.chosen)
     assert 0 in pol.chosen and s.num_draft_tokens > 0
@@ -137,11 +137,9 @@ def test_replica_exports_depth_metrics_and_span_attributes():
                    and s["attributes"].get("gen_ai.request.id") == "depth-1")
     a = next(s for s in spans if s["name"] == "engine.generate" and s["parent_id"] == replica["span_id"])["attributes"]
     assert 0 <= a["peagle.spec.mean_depth"] <= 3
-    # the only request: its steps are the engine's, less the accepted drafts max_tokens cut from its last step (at
-    # most K = 3: the span counts steps from the tokens emitted)
-    assert policy["steps"] - 3 <= a["peagle.spec.decode_steps"] <= policy["steps"]
-    # its drafts per step are the chosen k, except where max_tokens left room for fewer. Compared as totals: the
-    # span's step count may be short (above), which would raise its mean depth above the policy's
-    assert a["peagle.spec.num_draft_tokens"] <= policy["depth_sum"]
+    # the only request: its decode steps are the engine's
+    assert a["peagle.spec.decode_steps"] == policy["steps"]
+    # its drafts per step are the chosen k, except where max_tokens left room for fewer
+    assert a["peagle.spec.mean_depth"] <= policy["depth_sum"] / policy["steps"] + 1e-9
     if a.get("peagle.spec.num_draft_tokens"):
         assert 0 <= a["peagle.spec.acceptance_rate"] <= 1

@@ -164,4 +164,4 @@ class AsyncLLM:
             metrics={"arrival_time": r.arrival_time, "first_scheduled_time": r.first_scheduled_time or 0.0,
                      "first_token_time": r.first_token_time or 0.0, "finished_time": r.finished_time or 0.0,
                      "num_prompt_tokens": r.num_prompt, "num_generated_tokens": r.num_output,
-                     "num_preemptions": r.num_preemptions})
+                     "num_preemptions": r.num_preemptions, "num_steps": r.num_steps})

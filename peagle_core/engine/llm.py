@@ -58,4 +58,5 @@ def to_output(req: Request, tokenizer) -> RequestOutput:
                          [CompletionOutput(0, text, ids, req.finish_reason)], finished=req.finished,
                          spec_decode_stats=req.stats,
                          metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time or 0.0,
-                                  "finished_time": req.finished_time or 0.0, "num_preemptions": req.num_preemptions})
+                                  "finished_time": req.finished_time or 0.0, "num_preemptions": req.num_preemptions,
+                                  "num_steps": req.num_steps})

@@ -287,6 +287,7 @@ class LLMEngine:
                 req.num_computed += s.num_new
                 continue
             req.num_computed += s.num_new + acc
+            req.num_steps += 1
             req.drafts = drafts
             if s.num_drafts:
                 req.stats.observe(s.num_drafts, acc)
