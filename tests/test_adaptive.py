@@ -71,7 +71,7 @@ def test_position_one_keeps_its_evidence_through_k_zero_steps_and_deeper_positio
         est.observe([(3, 2)] * 4)  # positions 1, 2 always pass, 3 always fails
     for _ in range(30):
         est.observe([])  # k = 0 steps
-    a1, a2, a3 = est.rates()
+    a1, _, a3 = est.rates()
     assert a1 > 0.9  # its evidence (~69 of ~127 judgements) still dominates the prior's 4 pseudo-observations
     assert a3 > 0.3  # 127 failures decayed to ~5 at 0.9 a step: the neighbour's rate weighs in again
     low = AcceptanceEstimate(3)
