@@ -1177,3 +1177,19 @@ def test_the_engine_tells_the_policy_the_requests_wanting_a_step_and_the_token_b
     assert {i.token_budget for i in policy.infos} == {24}
     assert [i.prompt_backlog for i in policy.infos] == backlog
     assert backlog[:2] == [5 + 20, 1] and 0 in backlog  # two prompts wait; 24 of them fit the first step
+
+
+def test_a_policy_settled_at_k0_probes_deeper_k_rarely():
+    """Sampled requests the drafter seldom guesses (0.2 a position) on this CPU's step costs, where k = 0 is best
+    and every k >= 1 pays a drafter pass. At k = 0 nobody judges position 1; when its evidence faded at the
+    unjudged rate the prior (0.6) sent the policy back to k >= 1 on 19-21 of 400 settled steps, each probe
+    costing the engine a drafting step and a catch-up besides. Position 1 now keeps its evidence, and the
+    probes left are exploration's (11-12)."""
+    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+
+    # ms at 1 and 4 requests, shaped like tiny.yaml's sampled run on this CPU: ~9 ms at k = 0 (no drafter), 15-20 from k = 1
+    true_ms = {1: [6.0, 11.0, 11.5, 12.0, 12.5, 13.0, 13.5, 14.0], 4: [9.0, 16.5, 17.7, 19.0, 20.0, 21.0, 22.0, 23.0]}
+    for seed in range(3):
+        p = AdaptiveDepth(7, StepGrid(true_ms), flat_draft=True)
+        settled = _drive(p, true_ms, 4, [0.2] * 7, 500, seed=seed)[100:]
+        assert sum(k > 0 for k in settled) <= 14, seed
