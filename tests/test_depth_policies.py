@@ -1187,7 +1187,8 @@ def test_a_policy_settled_at_k0_probes_deeper_k_rarely():
     probes left are exploration's (11-12)."""
     from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
 
-    # ms at 1 and 4 requests, shaped like tiny.yaml's sampled run on this CPU: ~9 ms at k = 0 (no drafter), 15-20 from k = 1
+    # ms at 1 and 4 requests, shaped like tiny.yaml's sampled run on this CPU: ~9 ms at k = 0 (no drafter),
+    # 15-20 from k = 1
     true_ms = {1: [6.0, 11.0, 11.5, 12.0, 12.5, 13.0, 13.5, 14.0], 4: [9.0, 16.5, 17.7, 19.0, 20.0, 21.0, 22.0, 23.0]}
     for seed in range(3):
         p = AdaptiveDepth(7, StepGrid(true_ms), flat_draft=True)
