@@ -79,6 +79,19 @@ class StepResult:
     drafts: list[list[int]]       # per request: K new drafts (empty without a drafter)
 
 
+def forward_ints(f: HostForward, width: int) -> list[list[int]]:
+    """A forward's inputs as the integer lists an `Uploader` copies, block tables padded to `width`."""
+    tables = [b for t in f.block_tables for b in t + [0] * (width - len(t))]
+    return [f.input_ids, f.positions, f.query_start_loc, f.seq_lens, tables, f.slot_mapping]
+
+
+def forward_views(ints: list[torch.Tensor], width: int) -> tuple[torch.Tensor, ForwardMeta]:
+    """`forward_ints`, uploaded, as the forward's input ids and `ForwardMeta`."""
+    input_ids, positions, qsl, seq_lens, tables, slot_mapping = ints
+    return input_ids, ForwardMeta(positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
+                                  slot_mapping=slot_mapping, block_tables=tables.view(len(seq_lens), width))
+
+
 class ModelRunner:
     def __init__(self, target: GptOss, drafter: Drafter | None, mode: str, num_spec: int, block_size: int,
                  num_blocks: int, max_model_len: int, device: torch.device, dtype: torch.dtype,
@@ -198,8 +211,7 @@ class ModelRunner:
                 [p.top_k for p in params]]
         f = host.forward
         if width is not None:
-            tables = [b for t in f.block_tables for b in t + [0] * (width - len(t))]
-            ints += [f.input_ids, f.positions, f.query_start_loc, f.seq_lens, tables, f.slot_mapping]
+            ints += forward_ints(f, width)
         ints, (temperature, top_p) = self.uploads.upload(ints, [[p.temperature for p in params],
                                                                 [p.top_p for p in params]])
         num_drafts, next_ids, rows, draft_ids, cu, sampling, top_k = ints[:7]
@@ -207,12 +219,7 @@ class ModelRunner:
         inp = StepInputs(num_drafts, next_ids, rows, draft_ids, cu, sampling, top_k, temperature, top_p,
                          sampling_host=host.sampling, cu_host=host.cu, filtered=filtered,
                          all_rows=len(host.rows) == len(f.input_ids))
-        if width is None:
-            return inp, None
-        input_ids, positions, qsl, seq_lens, tables, slot_mapping = ints[7:]
-        return inp, (input_ids, ForwardMeta(positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
-                                            slot_mapping=slot_mapping,
-                                            block_tables=tables.view(len(f.seq_lens), width)))
+        return inp, (forward_views(ints[7:], width) if width is not None else None)
 
     def _verify(self, batch: list[Scheduled], hidden: torch.Tensor, inp: StepInputs):
         """Rejection-sample the requests that reach their end; others continue with their next prompt token."""
@@ -291,7 +298,7 @@ class ModelRunner:
         behind = [r for r in reqs if r.behind is not None]
         if not behind:
             return
-        ids, pos, qsl, seq, slots, rows = [], [], [0], [], [], []
+        ids, pos, qsl, seq, slots, rows = [], [], [0], [], [], []  # a HostForward's lists, and the kept rows
         for r in behind:
             start, chunks = r.behind
             r.behind = None
@@ -303,15 +310,11 @@ class ModelRunner:
             seq.append(end)
             slots += host_slots(r.block_table, start, end, self.block_size, self.max_model_len)
             rows.append(h)
-        width = max(len(r.block_table) for r in behind)
-        dev, long = self.device, torch.long
-        tables = torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for r in behind], dtype=long,
-                              device=dev)
-        meta = ForwardMeta(positions=torch.tensor(pos, dtype=long, device=dev),
-                           query_start_loc=torch.tensor(qsl, dtype=long, device=dev),
-                           seq_lens=torch.tensor(seq, dtype=long, device=dev),
-                           slot_mapping=torch.tensor(slots, dtype=long, device=dev), block_tables=tables)
-        self.drafter(torch.tensor(ids, dtype=long, device=dev), torch.cat(rows), meta)
+        f = HostForward(ids, pos, qsl, seq, [r.block_table for r in behind], slots)
+        width = max(map(len, f.block_tables))
+        ints, _ = self.uploads.upload(forward_ints(f, width), [])  # the step's second upload (one copy, pinned)
+        input_ids, meta = forward_views(ints, width)
+        self.drafter(input_ids, torch.cat(rows), meta)
 
     def _forward(self, model, input_ids, hidden, meta: ForwardMeta, uniform: bool):
         """A drafter forward outside a captured drafter step: replayed from a graph when one fits."""
