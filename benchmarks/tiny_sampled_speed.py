@@ -1,5 +1,6 @@
 """The tiny pair on this CPU as `configs/tiny.yaml` serves it (max_num_seqs 4): plain decoding, fixed K = 3 and the
-adaptive policy (K up to 7), greedy or sampled, over held-out MT-Bench prompts; one line of JSON per mode.
+adaptive policy (K up to 7), greedy or sampled, over held-out MT-Bench prompts; one line of JSON per mode (for the
+adaptive one also the steps by k chosen, the exploring steps and its estimate of the first draft's acceptance).
 
     python benchmarks/tiny_sampled_speed.py --temperature 1.0 --prompts 24
 
@@ -42,8 +43,13 @@ def main() -> None:
         outs = llm.generate(prompts, params)
         secs = time.perf_counter() - t0
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(json.dumps({"mode": name, "temperature": args.temperature, "tokens_per_s": round(tokens / secs, 1),
-                          "acceptance_length": round(llm.engine.stats.acceptance_length, 3)}), flush=True)
+        row = {"mode": name, "temperature": args.temperature, "tokens_per_s": round(tokens / secs, 1),
+               "acceptance_length": round(llm.engine.stats.acceptance_length, 3)}
+        if spec and spec.get("adaptive"):  # where its steps went (warm-up included): k chosen, explorations, a_1
+            d = llm.engine.policy.describe()
+            row["policy"] = {k: round(v, 3) for k, v in d.items()
+                             if k.startswith("steps_at_k.") or k in ("steps", "explored_steps", "accept_rate_1")}
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
