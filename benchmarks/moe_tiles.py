@@ -3,7 +3,7 @@
     python benchmarks/moe_tiles.py --out "$OUT"
 
 One GPT-OSS MoE layer as the engine builds it (20B shape in bf16, 120B shape with packed MXFP4 experts), random
-weights filled as `peagle bench` fills them, T tokens routed top-4. Each candidate `MoeTiles` replaces `kernels.triton_moe.moe_tiles` for small T; the layer is
+weights filled as `peagle bench` fills them, T tokens routed top-4. Each candidate `MoeTiles` replaces `peagle_kernels.triton_moe.moe_tiles` for small T; the layer is
 captured in a CUDA graph of 20 calls (launch costs as in the engine) and timed with CUDA events. Bandwidth =
 bytes of the experts the tokens select / time. Writes moe_tiles.json and moe_tiles.md.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels.triton_moe as tm  # noqa: E402
+import peagle_kernels.triton_moe as tm  # noqa: E402
 from peagle_core.bench import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 

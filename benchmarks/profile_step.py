@@ -28,7 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.dispatch import use_pdl  # noqa: E402
+from peagle_kernels.dispatch import use_pdl  # noqa: E402
 from peagle_core.bench import (Layout, build_random, capture_draft_call, decode_step_bytes,  # noqa: E402
                                drafter_config, make_runner, measure, release_caches, synthetic_batch, target_config)
 from peagle_core.models.drafter import Drafter  # noqa: E402
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("profile_step.py: no CUDA device (--device cpu for a smoke run)")
     import datetime
     if a.max_kv_splits:
-        import kernels.triton_attention as attention
+        import peagle_kernels.triton_attention as attention
         rule = attention.kv_splits
         attention.kv_splits = lambda *args: min(rule(*args), a.max_kv_splits)
     out = Path(a.out)

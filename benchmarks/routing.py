@@ -6,7 +6,7 @@ Triton launch for the logits, top-k, softmax and the sort; beyond, cuBLAS's line
 
 GPT-OSS router shapes in bf16 (H = 2880; E = 32 for 20B, 128 for 120B; top-4). Each variant is captured in a
 CUDA graph of 20 calls (launch costs as in the engine) and timed with CUDA events. Per row: `path` (`one launch`
-or `linear + route`, as `kernels.triton_routing.one_launch` picks), `torch_us` (the reference), `triton_us`
+or `linear + route`, as `peagle_kernels.triton_routing.one_launch` picks), `torch_us` (the reference), `triton_us`
 (ours), `linear_us` (cuBLAS's router linear alone, what the one-launch path replaced along with the routing
 launch), `weight_gb_s` (router weight bytes / triton_us) and, with --splits, `split_us` {slices: us} of the
 one-launch path with `logit_splits` forced. Writes routing.json.
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels.triton_routing as tr  # noqa: E402
+import peagle_kernels.triton_routing as tr  # noqa: E402
 from benchmarks.moe_tiles import time_graph  # noqa: E402
-from kernels.moe import route_ref  # noqa: E402
-from kernels.triton_moe import route_and_sort, sort_pairs_by_expert  # noqa: E402
+from peagle_kernels.moe import route_ref  # noqa: E402
+from peagle_kernels.triton_moe import route_and_sort, sort_pairs_by_expert  # noqa: E402
 
 H, TOP_K = 2880, 4
 

@@ -1,4 +1,4 @@
-"""The attention projections at decode sizes: cuBLAS `F.linear` against the Triton skinny GEMM (`kernels.linear`).
+"""The attention projections at decode sizes: cuBLAS `F.linear` against the Triton skinny GEMM (`peagle_kernels.linear`).
 
     python benchmarks/skinny_linear.py --out "$OUT"     # one H200, about a minute
 
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gemm_m import cold_weights, time_cold  # noqa: E402
-from kernels.linear import takes_skinny  # noqa: E402
-from kernels.triton_linear import SHIPPED_TILES, LinearTiles, linear_triton  # noqa: E402
+from peagle_kernels.linear import takes_skinny  # noqa: E402
+from peagle_kernels.triton_linear import SHIPPED_TILES, LinearTiles, linear_triton  # noqa: E402
 
 # GPT-OSS-20B/120B attention (hidden 2880, 64 q heads and 8 kv heads of 64), the same at TP = 2, the tiny target's
 SHAPES = [("20b qkv", 5120, 2880), ("20b o", 2880, 4096), ("tp2 qkv", 2560, 2880), ("tp2 o", 2880, 2048),

@@ -19,7 +19,7 @@ import gc
 import time
 from typing import Any
 
-from kernels.dispatch import compiled_variants, triton_kernels
+from peagle_kernels.dispatch import compiled_variants, triton_kernels
 from peagle_core.engine.graphs import is_uniform_decode
 
 FIELDS = ("total", "choose", "launch", "learn", "wait", "observe", "gc", "between")

@@ -41,8 +41,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kernels import set_triton_enabled, triton_enabled, use_triton
-from kernels.dispatch import use_pdl
+from peagle_kernels import set_triton_enabled, triton_enabled, use_triton
+from peagle_kernels.dispatch import use_pdl
 from peagle_core.config import DrafterConfig, GptOssConfig
 from peagle_core.engine.graphs import GraphRunner, graphs_supported
 from peagle_core.engine.model_runner import ModelRunner

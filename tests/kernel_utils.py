@@ -22,10 +22,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.dispatch import set_triton_enabled, triton_enabled
+from peagle_kernels.dispatch import set_triton_enabled, triton_enabled
 
-TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_routing", "kernels.triton_moe", "kernels.triton_norm",
-                  "kernels.triton_rope", "kernels.triton_linear", "kernels.triton_qkv_rope")  # dependency order
+TRITON_MODULES = ("peagle_kernels.triton_attention", "peagle_kernels.triton_routing", "peagle_kernels.triton_moe", "peagle_kernels.triton_norm",
+                  "peagle_kernels.triton_rope", "peagle_kernels.triton_linear", "peagle_kernels.triton_qkv_rope")  # dependency order
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -52,7 +52,7 @@ def _load_kernels(interpret: bool) -> SimpleNamespace:
         if compiled == interpret:
             module = importlib.reload(module)
         modules.append(module)
-    return SimpleNamespace(**{name.removeprefix("kernels.triton_"): m for name, m in zip(TRITON_MODULES, modules)})
+    return SimpleNamespace(**{name.removeprefix("peagle_kernels.triton_"): m for name, m in zip(TRITON_MODULES, modules)})
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def triton_cuda(monkeypatch):
 def enable_pdl(monkeypatch) -> None:
     """PEAGLE_PDL=1 for this test (programmatic dependent launch, `kernels/dispatch.py`). On a device that supports
     PDL it must then really be used: a Triton without it would otherwise pass the PDL tests without testing PDL."""
-    from kernels.dispatch import use_pdl
+    from peagle_kernels.dispatch import use_pdl
     monkeypatch.setenv("PEAGLE_PDL", "1")
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         assert use_pdl(torch.empty(0, device="cuda")), "PEAGLE_PDL=1 on sm_90+, but this Triton cannot launch with PDL"

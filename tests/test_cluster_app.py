@@ -14,12 +14,12 @@ import threading
 import httpx
 import pytest
 
-from cluster import protocol as P
+from peagle_cluster import protocol as P
 from peagle_core.loading.harmony import HarmonyParser
-from cluster.replica import EngineServer
-from cluster.router import Frontend, api, install_frontend
-from cluster.settings import parse_app_args
-from cluster.telemetry import finished_spans
+from peagle_cluster.replica import EngineServer
+from peagle_cluster.router import Frontend, api, install_frontend
+from peagle_cluster.settings import parse_app_args
+from peagle_cluster.telemetry import finished_spans
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -547,7 +547,7 @@ def test_otlp_exporter_is_used_only_when_an_endpoint_is_configured(tmp_path):
     import subprocess
     import sys
 
-    probe = ("from cluster.telemetry import setup_tracing, tracer\n"
+    probe = ("from peagle_cluster.telemetry import setup_tracing, tracer\n"
              "from opentelemetry import trace\n"
              "setup_tracing('auto')\n"
              "p = trace.get_tracer_provider()\n"

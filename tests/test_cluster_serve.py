@@ -49,7 +49,7 @@ def _test_args() -> dict:
 def cluster():
     from ray import serve
 
-    from cluster.app import build_app
+    from peagle_cluster.app import build_app
 
     http_port, metrics_port = _free_port(), _free_port()
     for attempt in range(2):  # a loaded machine can make Ray's node startup time out once

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.app import build_app
-from cluster.settings import parse_app_args
+from peagle_cluster.app import build_app
+from peagle_cluster.settings import parse_app_args
 from peagle_core.config import parse_engine_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def test_config_is_a_valid_serve_config_that_builds(path, monkeypatch):
     schema = ServeDeploySchema.model_validate(raw)  # what `serve run` / `serve deploy` parse first
     assert len(schema.applications) == 1
     app_schema = schema.applications[0]
-    assert app_schema.import_path == "cluster.app:build_app"
+    assert app_schema.import_path == "peagle_cluster.app:build_app"
     args = app_schema.args
     # Engine arguments alone are accepted by the engine's own parser (vLLM names, no typos).
     settings = parse_app_args(args)
@@ -161,7 +161,7 @@ def _exported_metric_names() -> set[str]:
     """Names Prometheus sees for our metrics: `ray_` + name (+ `_bucket/_sum/_count` for histograms)."""
     from ray.util.metrics import Histogram
 
-    from cluster.telemetry import ReplicaMetrics, RouterMetrics
+    from peagle_cluster.telemetry import ReplicaMetrics, RouterMetrics
 
     names = set()
     for obj in (ReplicaMetrics("m", "r"), RouterMetrics("m")):

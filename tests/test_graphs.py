@@ -390,7 +390,7 @@ def test_pdl_changes_no_step_and_no_graph_output(tiny_pair, reference, monkeypat
     (tokens, drafts, acceptance, the P-EAGLE drafter's graphed steps included), then a replayed target decode
     graph's outputs and the KV cache it wrote, bit for bit. (First of the GPU tests here, so that the timed GPU
     run of benchmarks/gpu_run.sh reaches it.)"""
-    from kernels.dispatch import use_pdl
+    from peagle_kernels.dispatch import use_pdl
 
     mode, k, got = "peagle", 3, {}
     for pdl in ("0", "1"):
@@ -493,7 +493,7 @@ def test_captured_drafter_step_equals_the_uncaptured_one_exactly(tiny_pair, mode
 def test_triton_kernels_with_graphs_give_the_reference_greedy_tokens(mode, k):
     """The shipped pair on CUDA in fp32: Triton kernels + CUDA graphs against the PyTorch references run
     eagerly. (A trained model: greedy margins are real, not the near-ties of random weights.)"""
-    from kernels.dispatch import set_triton_enabled, triton_enabled
+    from peagle_kernels.dispatch import set_triton_enabled, triton_enabled
 
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     prompts = ["def fibonacci(n):", "The capital of France is", "Write a short poem about the sea."]
@@ -518,7 +518,7 @@ def test_live_steps_compile_no_new_triton_variants_whatever_their_sizes(tiny_pai
     sizes and buffer offsets that change step by step. A kernel specialised on those compiled a new variant in
     the middle of a run, 0.1-0.4 s each on an H200 (docs/adaptive_log.md); now none compiles more than one variant
     in such a run, a sampled request at its end included."""
-    from kernels.dispatch import compiled_variants
+    from peagle_kernels.dispatch import compiled_variants
     from peagle_core.spec.depth import DepthPolicy
 
     class Cycle(DepthPolicy):  # every depth 0..K in turn: every draft count in mixed and decode steps

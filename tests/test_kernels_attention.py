@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from kernel_utils import pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.attention import attend, paged_attention, paged_attention_ref, varlen_attention, write_kv_ref
-from kernels.dispatch import set_triton_enabled, use_triton
-from kernels.rope import apply_rope, rope_write_kv, rope_write_kv_ref
+from peagle_kernels.attention import attend, paged_attention, paged_attention_ref, varlen_attention, write_kv_ref
+from peagle_kernels.dispatch import set_triton_enabled, use_triton
+from peagle_kernels.rope import apply_rope, rope_write_kv, rope_write_kv_ref
 from peagle_core.models.layers import Attention, ForwardMeta, Rotary
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -209,7 +209,7 @@ def test_paged_attention_layer_with_fused_rope_write_matches_the_references(trit
     """The wiring in `Attention.forward`'s paged path: kernels on (interpreted) and off give the same caches and
     the same output. Two requests (a prefill from 0, a continuation over cached keys) and a padding token (slot
     -1). The caches agree to fp32 rounding, not bit for bit: with kernels on, the q/k/v projection of these 9
-    tokens runs the skinny Triton GEMM's loop (in `kernels.triton_qkv_rope`, with the rotation and the write),
+    tokens runs the skinny Triton GEMM's loop (in `peagle_kernels.triton_qkv_rope`, with the rotation and the write),
     which sums in another order than `F.linear`; slots no token writes stay bit-identical."""
     torch.manual_seed(0)
     hq, hkv, d, page = 4, 2, 16, 16
@@ -349,7 +349,7 @@ def test_varlen_attention_matches_per_sequence(lengths, window, with_sinks, max_
 def test_varlen_attention_in_memory_bounded_groups(monkeypatch):
     """A batch larger than the score budget is attended a few sequences at a time, with the same result;
     int32 query_start_loc (the engine's) works too."""
-    import kernels.attention as A
+    import peagle_kernels.attention as A
     q, k, v, qsl, pos, sinks = make_varlen(RAGGED, 4, 4, 8, seed=1)
     want = varlen_per_sequence(q, k, v, qsl, pos, sinks, 3, 0.3)
     monkeypatch.setattr(A, "VARLEN_SCORE_ELEMENTS", 2 * 4 * 19 * 20)  # two sequences a group

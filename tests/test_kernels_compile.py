@@ -27,14 +27,14 @@ import pytest
 import torch
 
 from kernel_utils import _load_kernels, _triton_interpreted, is_triton_jit
-from kernels.attention import paged_attention
-from kernels.dispatch import set_triton_enabled, triton_enabled
-from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
-from kernels.linear import linear
-from kernels.moe import moe, moe_mxfp4, norm_and_route, route
-from kernels.norm import add_rms_norm
-from kernels.rope import apply_rope, qkv_rope_write_kv, rope_write_kv
-from kernels.sampling import rejection_sample
+from peagle_kernels.attention import paged_attention
+from peagle_kernels.dispatch import set_triton_enabled, triton_enabled
+from peagle_kernels.draft_inputs import fill_hidden, prepare_draft_inputs
+from peagle_kernels.linear import linear
+from peagle_kernels.moe import moe, moe_mxfp4, norm_and_route, route
+from peagle_kernels.norm import add_rms_norm
+from peagle_kernels.rope import apply_rope, qkv_rope_write_kv, rope_write_kv
+from peagle_kernels.sampling import rejection_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 SM90_SHARED_BYTES = 232448  # the most shared memory a block can opt into on sm_90 (H100/H200: 227 KB)
@@ -46,11 +46,11 @@ def pdl_kernels() -> dict[str, str]:
     """{kernel: module} for every `@triton.jit` function with a USE_PDL parameter in kernels/triton_*.py: the
     kernels launched from the host (kernels/dispatch.py), found from the sources as tests/test_kernels_pdl.py does."""
     found = {}
-    for path in sorted((ROOT / "kernels").glob("triton_*.py")):
+    for path in sorted((ROOT / "kernels" / "peagle_kernels").glob("triton_*.py")):
         for node in ast.parse(path.read_text()).body:
             if (isinstance(node, ast.FunctionDef) and is_triton_jit(node)
                     and any(a.arg == "USE_PDL" for a in node.args.args)):
-                found[node.name] = f"kernels.{path.stem}"
+                found[node.name] = f"peagle_kernels.{path.stem}"
     return found
 
 
@@ -102,7 +102,7 @@ def record_launches(backend) -> Iterator[tuple[str, dict]]:
         _load_kernels(interpret=True)
         # kernel_utils loads only its own modules; these are reloaded (interpreted, and the MXFP4 module bound to
         # the triton_moe just loaded), as their tests' fixtures do.
-        for name in ("kernels.triton_moe_mxfp4", "kernels.triton_draft_inputs", "kernels.triton_sampling"):
+        for name in ("peagle_kernels.triton_moe_mxfp4", "peagle_kernels.triton_draft_inputs", "peagle_kernels.triton_sampling"):
             importlib.reload(importlib.import_module(name))
         for kernel, module in KERNELS.items():
             mp.setattr(sys.modules[module], kernel, Recorder(kernel, module, getattr(sys.modules[module], kernel),
@@ -138,7 +138,7 @@ def norm() -> None:
 
 
 def projections() -> None:
-    """The attention projections at decode sizes (`kernels.linear`): GPT-OSS's q/k/v (K = 2880, not a multiple of
+    """The attention projections at decode sizes (`peagle_kernels.linear`): GPT-OSS's q/k/v (K = 2880, not a multiple of
     BLOCK_K) and o (K = 4096) with biases, the drafter's without. N does not set the launch parameters beyond
     its divisibility (kept small here: the interpreter loops over the programs)."""
     for M, K, bias in ((1, 2880, True), (16, 2880, True), (1, 4096, True), (8, 4096, False)):
@@ -166,7 +166,7 @@ def attention() -> None:
     other layer, a 128-token window; the drafter has neither. A GPU splits the KV range when the grid is small:
     split counts are forced here (the CPU picks none)."""
     Hq, Hkv, D, page = 64, 8, 64, 16
-    triton_attention = sys.modules["kernels.triton_attention"]
+    triton_attention = sys.modules["peagle_kernels.triton_attention"]
     sinks = randn(Hq)
 
     def run(q_lens: list[int], seq_lens: list[int], sinks: torch.Tensor | None, window: int | None,
@@ -204,7 +204,7 @@ def moe_bf16() -> None:
 
 def moe_packed() -> None:
     """MXFP4 experts: `tl.dot_scaled` (the default for bf16) and the explicit decode (PEAGLE_MXFP4_DOT=unpack)."""
-    triton_moe_mxfp4 = sys.modules["kernels.triton_moe_mxfp4"]
+    triton_moe_mxfp4 = sys.modules["peagle_kernels.triton_moe_mxfp4"]
     H, I, E = 64, 64, 32
     w = moe_weights(H, I, E)
     packed = dict(router_w=w["router_w"], router_b=w["router_b"], b1=w["b1"], b2=w["b2"],
@@ -223,7 +223,7 @@ def routing() -> None:
     """Routing at GPT-OSS's H = 2880, which sets the one-launch tiling (hidden slices): with the sort, as the MoE
     routes, for bs-1 decode and the largest one-launch batches (64 tokens, 32 at E = 128); without it through
     the `route` dispatcher; and the larger path (router GEMM, then `_route_kernel`)."""
-    route_and_sort_pairs = sys.modules["kernels.triton_routing"].route_and_sort_pairs
+    route_and_sort_pairs = sys.modules["peagle_kernels.triton_routing"].route_and_sort_pairs
     for T, E in ((1, 32), (64, 32), (32, 128)):
         route_and_sort_pairs(randn(T, 2880), randn(E, 2880), randn(E), 4)
     for T, E in ((1, 32), (150, 32), (40, 128)):
@@ -272,7 +272,7 @@ def compile_for_sm90(job: dict) -> str | None:
     from triton.compiler import ASTSource
 
     module = importlib.import_module(job["module"])
-    assert Path(module.__file__).resolve().parent == ROOT / "kernels", f"{module.__file__} is not this tree's"
+    assert Path(module.__file__).resolve().parent == ROOT / "kernels" / "peagle_kernels", f"{module.__file__} is not this tree's"
     index = {p: (i,) for i, p in enumerate(job["signature"])}
     src = ASTSource(getattr(module, job["kernel"]), job["signature"],
                     constexprs={index[p]: v for p, v in job["constexprs"].items()},

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.dispatch import use_triton
-from kernels.linear import SKINNY_MAX_TOKENS, linear, linear_ref, takes_skinny
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.linear import SKINNY_MAX_TOKENS, linear, linear_ref, takes_skinny
 
 TOL = {torch.float32: (0.0, 1e-6), torch.bfloat16: (2 ** -7, 2 ** -12)}
 
@@ -53,13 +53,13 @@ def test_skinny_linear_matches_reference(triton_interpret, M, N, K, bias):
 
 @pytest.mark.parametrize("block_n,block_k", [(32, 64), (16, 128), (64, 512)])
 def test_other_launch_shapes_give_the_same_result(triton_interpret, block_n, block_k):
-    from kernels.triton_linear import LinearTiles, linear_triton
+    from peagle_kernels.triton_linear import LinearTiles, linear_triton
     x, w, b = _inputs(3, 100, 300, True, torch.float32)
     assert_linear_close(linear_triton(x, w, b, LinearTiles(block_n, block_k, 4, 2)), x, w, b)
 
 
 def test_strided_rows_and_the_limits(triton_interpret):
-    from kernels.triton_linear import linear_triton
+    from peagle_kernels.triton_linear import linear_triton
     x, w, b = _inputs(4, 48, 64, True, torch.float32)
     wide = torch.cat([x, torch.ones(4, 16)], 1)[:, :64]  # rows with a stride, unit last stride
     assert_linear_close(linear(wide, w, b), x, w, b)
@@ -78,7 +78,7 @@ def test_the_skinny_kernel_takes_the_shapes_where_it_beat_cublas():
 def test_dispatch_takes_the_reference_outside_decode_sizes(triton_interpret, monkeypatch):
     """More than 16 rows, no rows, autograd, or a wide weight where cuBLAS wins: `F.linear`, and the kernel is
     never launched."""
-    import kernels.triton_linear as tlin
+    import peagle_kernels.triton_linear as tlin
 
     def fail(*a, **kw):
         raise AssertionError("the skinny kernel ran")
@@ -98,11 +98,11 @@ def test_dispatch_takes_the_reference_outside_decode_sizes(triton_interpret, mon
 
 def test_attention_projections_take_the_skinny_kernels_at_decode_sizes(triton_interpret, monkeypatch):
     """The paged attention path runs q/k/v through the one launch that also rotates and stores K/V
-    (`kernels.triton_qkv_rope`) and o through `kernels.linear` at <= 16 tokens (2 launches a layer), and the
+    (`peagle_kernels.triton_qkv_rope`) and o through `peagle_kernels.linear` at <= 16 tokens (2 launches a layer), and the
     prefill-sized step through cuBLAS and the rope kernel; the model's outputs are checked against the references by
     the models-with-Triton tests (test_kernels_norm_rope.py, test_kernels_routing.py)."""
-    import kernels.triton_linear as tlin
-    import kernels.triton_qkv_rope as tqkv
+    import peagle_kernels.triton_linear as tlin
+    import peagle_kernels.triton_qkv_rope as tqkv
     from peagle_core.engine.model_runner import ModelRunner
     from peagle_core.loading.checkpoint import init_random_
     from peagle_core.models.gpt_oss import GptOss
@@ -137,7 +137,7 @@ def test_attention_projections_take_the_skinny_kernels_at_decode_sizes(triton_in
 @pytest.mark.parametrize("M", [1, 8, SKINNY_MAX_TOKENS])
 def test_compiled_skinny_linear_bf16_matches_cublas(triton_cuda, pdl, M, N, K):
     """The kernel itself at both shapes (the engine's dispatch sends q/k/v to cuBLAS, `takes_skinny`)."""
-    from kernels.triton_linear import linear_triton
+    from peagle_kernels.triton_linear import linear_triton
     x, w, b = _inputs(M, N, K, True, torch.bfloat16, device="cuda")
     assert_linear_close(linear_triton(x, w, b), x, w, b)
     assert_graph_replays_exactly(lambda: linear_triton(x, w, b), x)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.dispatch import use_triton
-from kernels.moe import moe, moe_ref, route, swiglu
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.moe import moe, moe_ref, route, swiglu
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 ALPHA = 1.702

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.dispatch import use_triton
-from kernels.moe import moe_mxfp4, moe_mxfp4_ref, moe_ref, route, swiglu
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.moe import moe_mxfp4, moe_mxfp4_ref, moe_ref, route, swiglu
 from peagle_core import LLM, SamplingParams
 from peagle_core.config import GptOssConfig
 from peagle_core.engine.tp import target_shard
@@ -32,12 +32,12 @@ _MX = None  # test_fp4_decode_is_bit_exact's handle on the kernel module
 
 
 def _mxfp4_module(kernels, interpret: bool):
-    """kernels.triton_moe_mxfp4 in the fixture's mode, bound to its (possibly reloaded) kernels.triton_moe."""
+    """peagle_kernels.triton_moe_mxfp4 in the fixture's mode, bound to its (possibly reloaded) peagle_kernels.triton_moe."""
     from triton.runtime.jit import JITFunction
 
-    module = importlib.import_module("kernels.triton_moe_mxfp4")
+    module = importlib.import_module("peagle_kernels.triton_moe_mxfp4")
     compiled = any(isinstance(v, JITFunction) for v in vars(module).values())
-    if module._expert_rows is not kernels.moe._expert_rows or compiled == interpret:
+    if module._expert_rows is not peagle_kernels.moe._expert_rows or compiled == interpret:
         module = importlib.reload(module)
     return module
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.dispatch import use_triton
-from kernels.norm import add_rms_norm, add_rms_norm_ref
-from kernels.rope import apply_rope, apply_rope_ref
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.norm import add_rms_norm, add_rms_norm_ref
+from peagle_kernels.rope import apply_rope, apply_rope_ref
 from peagle_core.loading.checkpoint import init_random_
 from peagle_core.models.drafter import Drafter
 from peagle_core.models.gpt_oss import GptOss
@@ -253,7 +253,7 @@ def test_target_moe_sum_folded_into_the_next_norm_changes_nothing(triton_interpr
 @pytest.mark.parametrize("lengths", [[7, 5], [3, 2]])  # 12 tokens: the MoE's norm on its own; 5: in the routing launch
 def test_models_with_triton_norm_and_rope_match_the_references(triton_interpret, lengths):
     """The wiring: target and drafter forwards with the Triton kernels (interpreted) agree with the references."""
-    from kernels.dispatch import set_triton_enabled
+    from peagle_kernels.dispatch import set_triton_enabled
 
     cfg = tiny_target_config()
     target = init_random_(GptOss(cfg), 0).eval()

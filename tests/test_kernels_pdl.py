@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import torch
 
 from kernel_utils import is_triton_jit, triton_interpret  # noqa: F401  (fixture)
-from kernels.dispatch import pdl_launch, use_pdl
-from kernels.norm import add_rms_norm
-from kernels.rope import apply_rope
+from peagle_kernels.dispatch import pdl_launch, use_pdl
+from peagle_kernels.norm import add_rms_norm
+from peagle_kernels.rope import apply_rope
 
-KERNEL_FILES = sorted((Path(__file__).resolve().parents[1] / "kernels").glob("triton_*.py"))
+KERNEL_FILES = sorted((Path(__file__).resolve().parents[1] / "kernels" / "peagle_kernels").glob("triton_*.py"))
 WAIT_FIRST = "if USE_PDL:\n    tl.extra.cuda.gdc_wait()"
 TRIGGER_LAST = "if USE_PDL:\n    tl.extra.cuda.gdc_launch_dependents()"
 

@@ -1,5 +1,5 @@
-"""The q/k/v projection, rotation and KV write in one launch (`kernels.triton_qkv_rope`) against its reference
-(`kernels.rope.qkv_rope_write_kv_ref`: `F.linear`, then the rotation and the cache write in PyTorch), and against
+"""The q/k/v projection, rotation and KV write in one launch (`peagle_kernels.triton_qkv_rope`) against its reference
+(`peagle_kernels.rope.qkv_rope_write_kv_ref`: `F.linear`, then the rotation and the cache write in PyTorch), and against
 the two launches it replaces (the skinny GEMM, then `rope_write_kv`).
 
 The projection's fp32 sums run in the skinny GEMM's order, so against `F.linear` a projected value may differ by
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.attention import write_kv_ref
-from kernels.dispatch import use_triton
-from kernels.linear import SKINNY_MAX_TOKENS
-from kernels.rope import qkv_rope_write_kv, qkv_rope_write_kv_ref
+from peagle_kernels.attention import write_kv_ref
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.linear import SKINNY_MAX_TOKENS
+from peagle_kernels.rope import qkv_rope_write_kv, qkv_rope_write_kv_ref
 from peagle_core.models.layers import Rotary
 
 SENTINEL = -7.0
@@ -67,8 +67,8 @@ def test_one_launch_matches_the_reference(triton_interpret, T, H, hq, hkv, d):
 def test_one_launch_equals_the_two_it_replaces_and_needs_no_bias(triton_interpret):
     """Against the skinny GEMM then the rope-and-write launch (both interpreted): the same sums in the same order,
     the same rounding, so bit for bit; and without a bias."""
-    from kernels.rope import rope_write_kv
-    from kernels.triton_linear import linear_triton
+    from peagle_kernels.rope import rope_write_kv
+    from peagle_kernels.triton_linear import linear_triton
     for bias in (True, False):
         x, w, b, cos, sin, caches, slots = _inputs(7, 256, 8, 2, 64, torch.float32, seed=3)
         b = b if bias else None
@@ -82,7 +82,7 @@ def test_one_launch_equals_the_two_it_replaces_and_needs_no_bias(triton_interpre
 
 def test_outside_decode_sizes_the_two_launches_run(triton_interpret, monkeypatch):
     """More than SKINNY_MAX_TOKENS rows, or a head the kernel's pieces do not tile: `linear` then `rope_write_kv`."""
-    import kernels.triton_qkv_rope as fused
+    import peagle_kernels.triton_qkv_rope as fused
 
     def fail(*a, **kw):
         raise AssertionError("the fused kernel ran")

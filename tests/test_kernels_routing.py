@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from kernel_utils import assert_graph_replays_exactly, pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.dispatch import use_triton
-from kernels.moe import norm_and_route, route, route_ref
-from kernels.norm import add_rms_norm_ref
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.moe import norm_and_route, route, route_ref
+from peagle_kernels.norm import add_rms_norm_ref
 
 
 def exact_inputs(T: int, H: int, E: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,7 +189,7 @@ def test_sort_folded_into_routing(triton_interpret, T, E, k, folded):
 def assert_sorted_pairs(kernels, sorted_pairs, experts: torch.Tensor, E: int) -> None:
     """(order, offsets) are exactly the stable counting sort of the pairs by expert."""
     order, offsets = sorted_pairs
-    want_order, want_offsets = kernels.moe.sort_pairs_by_expert(experts, E)
+    want_order, want_offsets = peagle_kernels.moe.sort_pairs_by_expert(experts, E)
     assert order.dtype == offsets.dtype == torch.int32
     assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
     assert torch.equal(order.long(), torch.argsort(experts.flatten(), stable=True))
@@ -290,12 +290,12 @@ def test_empty_batch_and_fallback_past_64_tokens(triton_interpret, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# The MoE's norm in the routing launch (`kernels.moe.norm_and_route`)
+# The MoE's norm in the routing launch (`peagle_kernels.moe.norm_and_route`)
 # ---------------------------------------------------------------------------------------------
 
 def unfused_norm_and_route(kernels, h, residual, norm_w, w, b, k):
     """The two launches the fused one replaces: the Triton norm, then the Triton routing of its output."""
-    from kernels.norm import add_rms_norm
+    from peagle_kernels.norm import add_rms_norm
     x, new_residual = add_rms_norm(h, residual, norm_w, 1e-5)
     return x, new_residual, *kernels.routing.route_and_sort_pairs(x, w, b, k)
 
@@ -324,7 +324,7 @@ def test_norm_rides_in_the_routing_launch(triton_interpret, monkeypatch, dtype, 
     w, b = (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype), torch.randn(E, generator=g).to(dtype)
     assert routing.fuses_norm(h, residual, E, k)
     norm_launches = []
-    norm = sys.modules["kernels.norm"]
+    norm = sys.modules["peagle_kernels.norm"]
     monkeypatch.setattr(norm, "add_rms_norm", lambda *a: norm_launches.append(1) or norm.add_rms_norm_ref(*a))
     x, new_residual, routed = norm_and_route(h, residual, norm_w, 1e-5, w, b, k)
     assert norm_launches == [] and routed.sorted_pairs is not None

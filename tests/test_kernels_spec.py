@@ -1,7 +1,7 @@
 """Triton speculative-decoding kernels equal their PyTorch references exactly.
 
-Drafter-input preparation and hidden fill (kernels.triton_draft_inputs) and verification
-(kernels.triton_sampling). Integer outputs, copies and argmaxes must be identical, so every
+Drafter-input preparation and hidden fill (peagle_kernels.triton_draft_inputs) and verification
+(peagle_kernels.triton_sampling). Integer outputs, copies and argmaxes must be identical, so every
 comparison is torch.equal. CPU: Triton's interpreter (small sizes); GPU (skipped here): the
 compiled kernels on the same cases.
 """
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from kernel_utils import enable_pdl, triton_cuda, triton_interpret  # noqa: F401  (fixtures)
-from kernels.draft_inputs import fill_hidden, fill_hidden_ref, prepare_draft_inputs, prepare_draft_inputs_ref
-from kernels.dispatch import use_triton
-from kernels.sampling import rejection_sample, rejection_sample_ref
+from peagle_kernels.draft_inputs import fill_hidden, fill_hidden_ref, prepare_draft_inputs, prepare_draft_inputs_ref
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.sampling import rejection_sample, rejection_sample_ref
 
-SPEC_MODULES = ("kernels.triton_draft_inputs", "kernels.triton_sampling")
+SPEC_MODULES = ("peagle_kernels.triton_draft_inputs", "peagle_kernels.triton_sampling")
 M = -2  # mask (parallel-drafting) token id in the worked example
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import requests
 
-from loadtest import launch, report, server_metrics, stats, workloads
-from loadtest.fake_server import FakeBehavior, FakeServerThread
-from loadtest.stream import RequestRecord, StreamAccumulator, build_request, stream_request
+from peagle_loadtest import launch, report, server_metrics, stats, workloads
+from peagle_loadtest.fake_server import FakeBehavior, FakeServerThread
+from peagle_loadtest.stream import RequestRecord, StreamAccumulator, build_request, stream_request
 
 
 def sse(obj) -> bytes:
@@ -329,7 +329,7 @@ def test_mode_configs_are_valid_engine_configs(tmp_path):
         launch.mode_speculative_config("medusa", base)
 
     serve_cfg = {"http_options": {"host": "0.0.0.0", "port": 8000},
-                 "applications": [{"name": "peagle", "import_path": "cluster.app:build_app",
+                 "applications": [{"name": "peagle", "import_path": "peagle_cluster.app:build_app",
                                    "args": {"model": "tiny", "speculative_config": base}}]}
     path = launch.write_mode_config(serve_cfg, None, tmp_path / "none.yaml", port=18123)
     written = launch.load_serve_config(path)

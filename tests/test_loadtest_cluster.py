@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import launch, sweep
-from loadtest.stats import read_records, summarize
+from peagle_loadtest import launch, sweep
+from peagle_loadtest.stats import read_records, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 # Another serve config can be load-tested the same way (e.g. on a GPU box): PEAGLE_LOADTEST_CONFIG=...
@@ -65,7 +65,7 @@ def test_headless_locust_run_against_tiny_cluster(cluster_url, tmp_path):
     url, api_key = cluster_url
     workload = "mtbench"
     try:
-        from loadtest.workloads import dataset_file
+        from peagle_loadtest.workloads import dataset_file
 
         dataset_file("mtbench")
     except RuntimeError:

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest import sweep
-from loadtest.fake_server import FakeBehavior, FakeServerThread
-from loadtest.stats import read_records
+from peagle_loadtest import sweep
+from peagle_loadtest.fake_server import FakeBehavior, FakeServerThread
+from peagle_loadtest.stats import read_records
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
@@ -140,7 +140,7 @@ def test_sweep_cli_starts_one_server_per_mode(tmp_path):
 http_options: {host: 0.0.0.0, port: 8000}
 applications:
   - name: peagle
-    import_path: cluster.app:build_app
+    import_path: peagle_cluster.app:build_app
     args:
       model: tiny
       speculative_config: {method: eagle3, model: heads/peagle, num_speculative_tokens: 4, parallel_drafting: true}
@@ -149,7 +149,7 @@ applications:
     rc = sweep.main(["--config", str(cfg), "--modes", "none,adaptive", "--concurrency", "2", "--duration", "2",
                      "--max-tokens", "12", "--stop-timeout", "5", "--startup-timeout", "30", "--out", str(out),
                      "--mode-spec", 'broken={"model": "x", "num_speculative_tokens": "not a number"}',
-                     "--serve-cmd", f"{sys.executable} -m loadtest.fake_server --serve-config {{config}}"])
+                     "--serve-cmd", f"{sys.executable} -m peagle_loadtest.fake_server --serve-config {{config}}"])
     assert rc == 1  # one mode's server could not start
     doc = json.loads((out / "sweep.json").read_text())
     cells = {c["mode"]: c for c in doc["cells"]}

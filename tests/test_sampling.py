@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from kernel_utils import triton_interpret  # noqa: F401  (fixture)
-from kernels.sampling import rejection_sample_ref, target_probs
+from peagle_kernels.sampling import rejection_sample_ref, target_probs
 
 V = 8
 ROWS = 3                  # two drafts + the bonus row
@@ -252,7 +252,7 @@ def test_the_engine_warms_up_both_sampling_kernel_variants_when_it_runs_triton(t
     """On CUDA the verify's sampling kernel compiles a variant at first use (greedy, sampled): 0.1-0.4 s inside a
     live step. The engine runs both once at build (`ModelRunner.warm_up_sampling`); here the same launches run
     under Triton's interpreter, and nothing runs when the PyTorch reference is in use (nothing to compile)."""
-    from kernels.dispatch import set_triton_enabled, triton_enabled
+    from peagle_kernels.dispatch import set_triton_enabled, triton_enabled
     from peagle_core import LLM
     from peagle_core.engine import model_runner
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.settings import parse_app_args
+from peagle_cluster.settings import parse_app_args
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT, MAX_TOKENS = "Once upon a time", 12
@@ -55,7 +55,7 @@ def test_tp_replica_reserves_one_bundle_per_rank():
      "placement_group_strategy"),
 ])
 def test_bad_tp_placement_fails_the_build(args, needle):
-    from cluster.app import build_app
+    from peagle_cluster.app import build_app
 
     with pytest.raises(ValueError, match=needle):
         build_app(args)
@@ -77,7 +77,7 @@ def tp_app():
     ray = pytest.importorskip("ray")
     from ray import serve
 
-    from cluster.app import build_app
+    from peagle_cluster.app import build_app
 
     args = _tiny_args(tensor_parallel_size=2)
     args["deployment"] = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 1}, "max_constructor_retry_count": 1,

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol
 
 import torch
 
-from kernels.dispatch import use_triton
+from peagle_kernels.dispatch import use_triton
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.models.layers import ForwardMeta
 

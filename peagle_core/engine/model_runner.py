@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from kernels.dispatch import use_triton
-from kernels.draft_inputs import fill_hidden, prepare_draft_inputs
-from kernels.sampling import rejection_sample
+from peagle_kernels.dispatch import use_triton
+from peagle_kernels.draft_inputs import fill_hidden, prepare_draft_inputs
+from peagle_kernels.sampling import rejection_sample
 from peagle_core.engine.graphs import GraphRunner, HostForward, is_uniform_decode
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.engine.types import SamplingParams

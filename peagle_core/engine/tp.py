@@ -255,12 +255,12 @@ class WorkerSpec:
     gloo_host: str | None       # interface for gloo pairs; None: this node's IP (Ray, possibly several nodes)
     timeout_s: float
     num_threads: int
-    triton: bool | None         # rank 0's kernels.dispatch choice
+    triton: bool | None         # rank 0's peagle_kernels.dispatch choice
 
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:
     """A worker's whole life: connect, load its shard, agree on the KV cache, then follow rank 0's forwards."""
-    from kernels.dispatch import set_triton_enabled
+    from peagle_kernels.dispatch import set_triton_enabled
     from peagle_core.engine.graphs import target_graph_set
     from peagle_core.engine.llm_engine import freeze_heap, kv_budget_bytes
     from peagle_core.engine.model_runner import ModelRunner
@@ -489,7 +489,7 @@ class TPWorkerGroup:
     """Rank 0's handle on ranks 1..N-1: start them, announce forwards, watch them, stop them."""
 
     def __init__(self, cfg: EngineConfig, model_path: Path, device: torch.device, dtype: torch.dtype):
-        from kernels.dispatch import triton_enabled
+        from peagle_kernels.dispatch import triton_enabled
 
         n = self.world_size = cfg.tensor_parallel_size
         tcfg = GptOssConfig.from_hf(read_json(model_path / "config.json"))

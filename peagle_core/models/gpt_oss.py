@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.moe import Routing, moe, moe_mxfp4, norm_and_route
+from peagle_kernels.moe import Routing, moe, moe_mxfp4, norm_and_route
 from peagle_core.config import GptOssConfig, yarn_inv_freq
 from peagle_core.models.layers import Attention, ForwardMeta, RMSNorm, Rotary
 
@@ -70,14 +70,14 @@ class MoE(nn.Module):
         self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, *, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H], or with reduce=False summands [T, S, H] whose sum over S is that (`kernels.moe`).
+        """x [T, H] -> [T, H], or with reduce=False summands [T, S, H] whose sum over S is that (`peagle_kernels.moe`).
         `routing`: x's, from `norm_and_route` (else routed here)."""
         return self.experts(x, self.router, self.top_k, self.alpha, self.limit, reduce=reduce, routing=routing)
 
     def norm_and_route(self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
                        ) -> tuple[torch.Tensor, torch.Tensor, Routing]:
         """`norm.add_norm(h, residual)` and the routing of its output, for `forward(x, routing=)`: at decode sizes
-        on the GPU one launch does both (`kernels.moe.norm_and_route`)."""
+        on the GPU one launch does both (`peagle_kernels.moe.norm_and_route`)."""
         return norm_and_route(h, residual, norm.weight, norm.eps, self.router.weight, self.router.bias, self.top_k)
 
 
@@ -89,7 +89,7 @@ def single_rank(t: torch.Tensor) -> torch.Tensor:
 
 def residual_stream(h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """The residual-stream value a (h, residual) pair carried between layers stands for: h + residual, with
-    MoE summands h [T, S, H] summed first, as the norm they go to sums them (`kernels.norm`)."""
+    MoE summands h [T, S, H] summed first, as the norm they go to sums them (`peagle_kernels.norm`)."""
     if residual is not None and h.dim() == residual.dim() + 1:
         h = h.sum(-2)
     return h if residual is None else h + residual

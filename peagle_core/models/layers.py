@@ -10,10 +10,10 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention, varlen_attention
-from kernels.linear import linear
-from kernels.norm import add_rms_norm
-from kernels.rope import apply_rope, qkv_rope_write_kv
+from peagle_kernels.attention import paged_attention, varlen_attention
+from peagle_kernels.linear import linear
+from peagle_kernels.norm import add_rms_norm
+from peagle_kernels.rope import apply_rope, qkv_rope_write_kv
 
 
 @dataclass
@@ -193,7 +193,7 @@ class Attention(nn.Module):
 
     def _paged(self, x: torch.Tensor, meta: ForwardMeta) -> torch.Tensor:
         """The engine's path: q/k/v, their rotation and the K/V store (at decode sizes on the GPU one kernel,
-        `kernels.rope.qkv_rope_write_kv`), attention over the paged cache, then o."""
+        `peagle_kernels.rope.qkv_rope_write_kv`), attention over the paged cache, then o."""
         T = x.shape[0]
         k_cache, v_cache = self.kv_cache
         cos, sin = self.rotary.cos_sin_for(meta.positions, x.dtype)

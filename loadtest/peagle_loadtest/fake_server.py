@@ -3,7 +3,7 @@
 It stands in for the cluster when testing the load-test client (the timings are known, so the
 measured TTFT/TPOT/ITL have an oracle) and for dry runs of a sweep without a model:
 
-    python -m loadtest.fake_server --port 8001 --ttft-ms 50 --chunk-ms 20 --tokens-per-chunk 3
+    python -m peagle_loadtest.fake_server --port 8001 --ttft-ms 50 --chunk-ms 20 --tokens-per-chunk 3
 
 Each content chunk carries `tokens_per_chunk` tokens ("tok " each), as a speculative decoder
 bundles accepted tokens; `/metrics` exports spec-decode counters whose acceptance length is exactly

@@ -4,18 +4,18 @@ q [T, Hq, D] and k [T, Hkv, D] are rotated with cos/sin [T, 1, D/2] (in q's dtyp
 `cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])` with x1, x2 the two halves of the last dimension,
 every product and sum rounded to x's dtype as PyTorch rounds them. Returns new tensors.
 
-`rope_write_kv` also stores the rotated k and v in the paged KV cache (`kernels.attention.write_kv_ref`): on
+`rope_write_kv` also stores the rotated k and v in the paged KV cache (`peagle_kernels.attention.write_kv_ref`): on
 the GPU one launch instead of two per attention layer of the paged (engine) path. `qkv_rope_write_kv` starts one
 step earlier, from the attention's input and its packed q/k/v weight: at decode sizes on the GPU the projection,
-the rotation and the cache write are one launch (`kernels.triton_qkv_rope`).
+the rotation and the cache write are one launch (`peagle_kernels.triton_qkv_rope`).
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.attention import write_kv_ref
-from kernels.dispatch import needs_grad, use_triton
-from kernels.linear import SKINNY_MAX_TOKENS, linear, linear_ref
+from peagle_kernels.attention import write_kv_ref
+from peagle_kernels.dispatch import needs_grad, use_triton
+from peagle_kernels.linear import SKINNY_MAX_TOKENS, linear, linear_ref
 
 # Dims of a head's half one program of the fused q/k/v kernel rotates (with their partners, 16 columns: one tl.dot
 # tile): it covers heads whose half is a whole number of them (GPT-OSS's 64 and the tiny pair's 32 dims).
@@ -25,7 +25,7 @@ QKV_ROPE_PIECE = 8
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(q) and not needs_grad(q, k, cos, sin):
-        from kernels.triton_rope import apply_rope_triton
+        from peagle_kernels.triton_rope import apply_rope_triton
         return apply_rope_triton(q, k, cos, sin)
     return apply_rope_ref(q, k, cos, sin)
 
@@ -39,9 +39,9 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot, k_rot) as `apply_rope`, with k_rot and v [T, Hkv, D] stored in k_cache/v_cache
-    [num_blocks, block_size, Hkv, D] at flat slots `slot_mapping` [T] as `kernels.attention.write_kv_ref` stores them (-1: nothing)."""
+    [num_blocks, block_size, Hkv, D] at flat slots `slot_mapping` [T] as `peagle_kernels.attention.write_kv_ref` stores them (-1: nothing)."""
     if use_triton(q) and not needs_grad(q, k, cos, sin):
-        from kernels.triton_rope import rope_write_kv_triton
+        from peagle_kernels.triton_rope import rope_write_kv_triton
         return rope_write_kv_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
     return rope_write_kv_ref(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
@@ -63,7 +63,7 @@ def qkv_rope_write_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     D = k_cache.shape[-1]
     if (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_TOKENS and D % (2 * QKV_ROPE_PIECE) == 0
             and not needs_grad(x, weight, bias, cos, sin)):
-        from kernels.triton_qkv_rope import qkv_rope_write_kv_triton
+        from peagle_kernels.triton_qkv_rope import qkv_rope_write_kv_triton
         return qkv_rope_write_kv_triton(x, weight, bias, num_heads, num_kv_heads, cos, sin, k_cache, v_cache,
                                         slot_mapping)
     q, k, v = _heads(linear(x, weight, bias), num_heads, num_kv_heads, D)

@@ -1,6 +1,6 @@
 """Triton MoE routing: the router logits, top-k + softmax over them and the sort of the pairs by expert.
 
-Same signature and semantics as `kernels.moe.route_ref`: logits = x @ router_w^T + router_b in x.dtype, then
+Same signature and semantics as `peagle_kernels.moe.route_ref`: logits = x @ router_w^T + router_b in x.dtype, then
 the top k by value in descending order (ties: the lowest expert index first) and gates = softmax over those k
 logits in fp32, stored in x.dtype.
 
@@ -20,10 +20,10 @@ sort over the whole batch. The first call on a device must run outside CUDA-grap
 counter).
 
 The MoE's norm rides in that launch too, up to NORM_ROUTE_MAX_TOKENS tokens (`norm_route_and_sort_pairs`, for
-`kernels.moe.norm_and_route`): every program reads its tokens' rows of h and the residual, adds them and takes
-their rms as `kernels.triton_norm` does, normalises its hidden slice and routes from that, and the first expert
+`peagle_kernels.moe.norm_and_route`): every program reads its tokens' rows of h and the residual, adds them and takes
+their rms as `peagle_kernels.triton_norm` does, normalises its hidden slice and routes from that, and the first expert
 block's programs store the normed rows and the new residual. A bs-1 decode step of the 20B shape lost its 24
-norm launches; with one split for the sliding-window layers' attention (`kernels.triton_attention.kv_splits`)
+norm launches; with one split for the sliding-window layers' attention (`peagle_kernels.triton_attention.kv_splits`)
 it went from 3.21-3.24 to 2.92-2.96 ms on two of three H200s, alternating runs, and stayed within the third's
 spread; the device's own work fell by ~25 us (docs/benchmarks/ab_fewer_launches.md).
 
@@ -32,7 +32,7 @@ linear from cuBLAS (`F.linear`, the reference's), then `_route_kernel` (BLOCK_T 
 
 Top-k and softmax (`_pick_and_store`, shared by both kernels): k rounds of row max + lowest-index argmax +
 mask pick the experts, and a softmax over the k picked values gives the gates; the sort is `counting_sort`,
-shared with `kernels.triton_moe`. No host sync anywhere: CUDA-graph capturable.
+shared with `peagle_kernels.triton_moe`. No host sync anywhere: CUDA-graph capturable.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
+from peagle_kernels.dispatch import pdl_launch
 
 # Largest counting-sort one-hot matrix (EXPERTS_PAD x PAIRS_PAD int32) kept in one program's registers.
 SORT_MAX_ELEMS = 32768
@@ -148,7 +148,7 @@ def _route_kernel(logits_ptr, gates_ptr, experts_ptr, num_tokens, num_experts, s
 @triton.jit
 def _row_rstd(h_rows, res_rows, pair_ok, hidden, eps, PAIRS: tl.constexpr, BLOCK_H: tl.constexpr):
     """1 / rms of each pair's token row of the new residual h + res (each element rounded to h's dtype first, as
-    the stored `x + residual` that `kernels.norm.add_rms_norm` normalises): fp32, over the whole row."""
+    the stored `x + residual` that `peagle_kernels.norm.add_rms_norm` normalises): fp32, over the whole row."""
     hs = tl.arange(0, BLOCK_H)
     squares = tl.zeros([PAIRS], tl.float32)
     for h0 in tl.range(0, hidden, BLOCK_H):
@@ -286,7 +286,7 @@ def route_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor
 def route_and_sort_pairs(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int
                          ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """`route_triton` for x [T, H], plus (order, offsets) of the pairs sorted by expert (as
-    `kernels.triton_moe.sort_pairs_by_expert` returns them) when the same launch could sort them, else None."""
+    `peagle_kernels.triton_moe.sort_pairs_by_expert` returns them) when the same launch could sort them, else None."""
     return _route(x, router_w, router_b, top_k, sort=True)
 
 
@@ -349,12 +349,12 @@ def fuses_norm(h: torch.Tensor, residual: torch.Tensor | None, num_experts: int,
 
 def norm_route_and_sort_pairs(h: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
                               router_w: torch.Tensor, router_b: torch.Tensor, top_k: int):
-    """`kernels.norm.add_rms_norm(h, residual, norm_w, eps)` -> (x, new_residual), then `route_and_sort_pairs(x,
+    """`peagle_kernels.norm.add_rms_norm(h, residual, norm_w, eps)` -> (x, new_residual), then `route_and_sort_pairs(x,
     ...)`: returns (x, new_residual, gates, experts, sorted pairs or None). One launch where `fuses_norm` (the
     norm's own launch and its gap saved: every MoE layer of a decode or small verify step), else two."""
     E = router_w.shape[0]
     if not fuses_norm(h, residual, E, top_k):
-        from kernels.norm import add_rms_norm
+        from peagle_kernels.norm import add_rms_norm
         x, new_residual = add_rms_norm(h, residual, norm_w, eps)
         return x, new_residual, *route_and_sort_pairs(x, router_w, router_b, top_k)
     H = h.shape[-1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from peagle_kernels.dispatch import use_triton
 
 
 def prepare_draft_inputs(target_token_ids: torch.Tensor, target_positions: torch.Tensor, next_token_ids: torch.Tensor,
@@ -24,7 +24,7 @@ def prepare_draft_inputs(target_token_ids: torch.Tensor, target_positions: torch
     `sample_indices[b*P + i]` is the slot whose logits give request b's draft i (bonus slot, then MASKs).
     """
     if use_triton(target_token_ids):
-        from kernels.triton_draft_inputs import prepare_draft_inputs_triton
+        from peagle_kernels.triton_draft_inputs import prepare_draft_inputs_triton
         return prepare_draft_inputs_triton(target_token_ids, target_positions, next_token_ids, query_start_loc,
                                            num_rejected, mask_token_id, num_slots, padding_token_id)
     return prepare_draft_inputs_ref(target_token_ids, target_positions, next_token_ids, query_start_loc,
@@ -66,7 +66,7 @@ def fill_hidden(target_hidden: torch.Tensor, hidden_map: torch.Tensor, is_masked
                 shared_hidden: torch.Tensor) -> torch.Tensor:
     """Draft hidden states: target hidden scattered to its slot, the shared hidden state on MASK slots."""
     if use_triton(target_hidden):
-        from kernels.triton_draft_inputs import fill_hidden_triton
+        from peagle_kernels.triton_draft_inputs import fill_hidden_triton
         return fill_hidden_triton(target_hidden, hidden_map, is_masked, shared_hidden)
     return fill_hidden_ref(target_hidden, hidden_map, is_masked, shared_hidden)
 

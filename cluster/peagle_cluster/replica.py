@@ -26,9 +26,9 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from peagle_core.loading.harmony import ChatDecoder, HarmonyParser, supports_harmony
-from cluster.settings import AppSettings
-from cluster.stats_board import lookup_board
-from cluster.telemetry import (ReplicaMetrics, extract_context, finished_spans, setup_tracing,
+from peagle_cluster.settings import AppSettings
+from peagle_cluster.stats_board import lookup_board
+from peagle_cluster.telemetry import (ReplicaMetrics, extract_context, finished_spans, setup_tracing,
                                speculation_span_attributes, tracer)
 
 log = logging.getLogger("peagle.cluster")
@@ -123,7 +123,7 @@ class EngineServer:
         return finished_spans()
 
     async def generate(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Stream one request. `req` is built by the router (see `cluster.router.engine_request`)."""
+        """Stream one request. `req` is built by the router (see `peagle_cluster.router.engine_request`)."""
         rid = req.get("request_id") or uuid.uuid4().hex
         queue_s = time.time() - req["sent_at"] if req.get("sent_at") else None
         # Spans are started and ended by hand: a `with` block around `yield` would attach the span to

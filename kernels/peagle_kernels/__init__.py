@@ -3,6 +3,6 @@
 `use_triton(t)` decides per call: Triton on CUDA tensors, the reference elsewhere. Tests force the
 Triton path on CPU with TRITON_INTERPRET=1 and compare it against the reference.
 """
-from kernels.dispatch import set_triton_enabled, triton_enabled, use_triton
+from peagle_kernels.dispatch import set_triton_enabled, triton_enabled, use_triton
 
 __all__ = ["set_triton_enabled", "triton_enabled", "use_triton"]

@@ -1,6 +1,6 @@
-"""The application builder: `import_path: cluster.app:build_app` in a Ray Serve config file.
+"""The application builder: `import_path: peagle_cluster.app:build_app` in a Ray Serve config file.
 
-    serve run configs/tiny.yaml            # or: serve run cluster.app:build_app model=tiny
+    serve run configs/tiny.yaml            # or: serve run peagle_cluster.app:build_app model=tiny
 
 Two deployments: `OpenAIRouter` (HTTP ingress, light) and `EngineReplica` (one AsyncLLM each,
 GPUs as `ray_actor_options` say). Requests reach replicas through Serve's default request router,
@@ -16,13 +16,13 @@ from typing import Any
 
 from ray import serve
 
-from cluster.replica import EngineReplica
-from cluster.router import OpenAIRouter
-from cluster.settings import AppSettings, parse_app_args
+from peagle_cluster.replica import EngineReplica
+from peagle_cluster.router import OpenAIRouter
+from peagle_cluster.settings import AppSettings, parse_app_args
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Validate `args` (engine args + serving knobs, see `cluster.settings`) and bind the two deployments.
+    """Validate `args` (engine args + serving knobs, see `peagle_cluster.settings`) and bind the two deployments.
 
     Nothing is loaded here: a bad key fails fast with a ValueError, before any replica starts.
     """

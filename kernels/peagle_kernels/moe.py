@@ -10,7 +10,7 @@ disk): `w1_blocks [E, 2I, H/32, 16]` + `w1_scales [E, 2I, H/32]`, `w2_blocks [E,
 per 32 weights along the input dimension). Biases stay in the activation dtype.
 
 `reduce=False` (both ops) returns summands `[T, S, H]` instead of `[T, H]`: S rows per token whose sum over
-S (fp32 accumulation, one rounding: `summands.sum(1)`) is the output, for `kernels.norm.add_rms_norm` to add
+S (fp32 accumulation, one rounding: `summands.sum(1)`) is the output, for `peagle_kernels.norm.add_rms_norm` to add
 inside the norm that follows the MoE (one launch fewer a layer). The Triton kernels give their k weighted
 expert outputs unsummed (S = top_k; `summands.sum(1)` is bit-identical to reduce=True); the references,
 which round after each expert's add, give their finished output as S = 1.
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.dispatch import needs_grad, use_triton
+from peagle_kernels.dispatch import needs_grad, use_triton
 
 
 class Routing(NamedTuple):
@@ -37,14 +37,14 @@ class Routing(NamedTuple):
 def norm_and_route(h: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
                    router_w: torch.Tensor, router_b: torch.Tensor, top_k: int
                    ) -> tuple[torch.Tensor, torch.Tensor, Routing]:
-    """(x, new_residual, routing of x): `kernels.norm.add_rms_norm(h, residual, norm_w, eps)` and then `route`,
+    """(x, new_residual, routing of x): `peagle_kernels.norm.add_rms_norm(h, residual, norm_w, eps)` and then `route`,
     the MoE's norm and router together. On the GPU at decode sizes one launch does both (the norm's launch and
-    its gap saved in every MoE layer: `kernels.triton_routing.norm_route_and_sort_pairs`)."""
+    its gap saved in every MoE layer: `peagle_kernels.triton_routing.norm_route_and_sort_pairs`)."""
     if use_triton(h) and not needs_grad(h, residual, norm_w, router_w, router_b):
-        from kernels.triton_routing import norm_route_and_sort_pairs
+        from peagle_kernels.triton_routing import norm_route_and_sort_pairs
         x, new_residual, *routing = norm_route_and_sort_pairs(h, residual, norm_w, eps, router_w, router_b, top_k)
         return x, new_residual, Routing(*routing)
-    from kernels.norm import add_rms_norm_ref
+    from peagle_kernels.norm import add_rms_norm_ref
     x, new_residual = add_rms_norm_ref(h, residual, norm_w, eps)
     return x, new_residual, Routing(*route_ref(x, router_w, router_b, top_k))
 
@@ -53,7 +53,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over raw router logits, then softmax over the k selected: (gates [T,k], experts [T,k])."""
     if use_triton(x) and not needs_grad(x, router_w, router_b):
-        from kernels.triton_routing import route_triton
+        from peagle_kernels.triton_routing import route_triton
         return route_triton(x, router_w, router_b, top_k)
     return route_ref(x, router_w, router_b, top_k)
 
@@ -78,7 +78,7 @@ def moe(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1: tor
     """x [T, H] -> [T, H], or summands [T, S, H] with reduce=False (see the module docstring). `routing`: x's
     routing, already worked out (`norm_and_route`), else routed here."""
     if use_triton(x):
-        from kernels.triton_moe import moe_triton
+        from peagle_kernels.triton_moe import moe_triton
         return moe_triton(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce, routing=routing)
     return moe_ref(x, router_w, router_b, w1, b1, w2, b2, top_k, alpha, limit, reduce=reduce, routing=routing)
 
@@ -124,7 +124,7 @@ def moe_mxfp4(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w
               routing: Routing | None = None) -> torch.Tensor:
     """`moe` over packed MXFP4 experts: x [T, H] -> [T, H], or summands [T, S, H] with reduce=False."""
     if use_triton(x):
-        from kernels.triton_moe_mxfp4 import moe_mxfp4_triton
+        from peagle_kernels.triton_moe_mxfp4 import moe_mxfp4_triton
         return moe_mxfp4_triton(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2,
                                 top_k, alpha, limit, reduce=reduce, routing=routing)
     return moe_mxfp4_ref(x, router_w, router_b, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, top_k, alpha, limit,

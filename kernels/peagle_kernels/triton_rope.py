@@ -1,6 +1,6 @@
 """Triton NeoX rotary embedding of q and k in one launch, optionally storing the rotated k and v in the paged
-KV cache in the same launch; same signatures and semantics as `kernels.rope.apply_rope_ref` and
-`kernels.rope.rope_write_kv_ref`.
+KV cache in the same launch; same signatures and semantics as `peagle_kernels.rope.apply_rope_ref` and
+`peagle_kernels.rope.rope_write_kv_ref`.
 
 Grid (T, 2): program (t, 0) rotates every head of q[t], program (t, 1) every head of k[t], sharing one
 load of cos/sin[t]. PyTorch runs seven kernels per tensor (four products, a difference, a sum, the
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
+from peagle_kernels.dispatch import pdl_launch
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from loadtest.stream import RequestRecord
+from peagle_loadtest.stream import RequestRecord
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50, 90, 99)

@@ -1,7 +1,7 @@
 """Triton GPT-OSS mixture of experts: grouped GEMMs over expert-sorted (token, expert) pairs.
 
-Same signature and semantics as `kernels.moe.moe_ref`. Steps:
-1. routing (`kernels.triton_routing`): up to 64 tokens one Triton launch computes the router logits, top-k
+Same signature and semantics as `peagle_kernels.moe.moe_ref`. Steps:
+1. routing (`peagle_kernels.triton_routing`): up to 64 tokens one Triton launch computes the router logits, top-k
    and the softmax over the k logits; larger batches take the router linear from cuBLAS, then that launch;
 2. sort the T*k (token, expert) pairs by expert, never syncing with the host (CUDA-graph
    friendly): a counting sort inside the routing launch for small batches (as at decode), else a
@@ -11,7 +11,7 @@ Same signature and semantics as `kernels.moe.moe_ref`. Steps:
 4. `_moe_down_kernel`: y[pair] = gate * (h @ w2[e]^T + b2[e]), stored at the pair's own row
    (token-major), which un-permutes for free;
 5. out = sum over the k pairs of each token (torch sum, fp32 accumulation; deterministic, no atomics),
-   or with reduce=False the [T, k, H] pair rows unsummed: the norm after the MoE adds them (`kernels.norm`).
+   or with reduce=False the [T, k, H] pair rows unsummed: the norm after the MoE adds them (`peagle_kernels.norm`).
 
 Both GEMMs are "grouped": expert e owns the M-tile ids `[off[e] // BLOCK_M + e, off[e+1] // BLOCK_M + e + 1)`
 (`segment_of_tile`, the same scheme as the attention kernel), so the grid is fixed by the shapes.
@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
-from kernels.moe import Routing, check_moe_shapes
-from kernels.triton_attention import segment_of_tile
-from kernels.triton_routing import SORT_MAX_ELEMS, counting_sort, route_and_sort_pairs
+from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.moe import Routing, check_moe_shapes
+from peagle_kernels.triton_attention import segment_of_tile
+from peagle_kernels.triton_routing import SORT_MAX_ELEMS, counting_sort, route_and_sort_pairs
 
 
 @triton.jit
@@ -251,7 +251,7 @@ def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tens
                    mxfp4: bool = False, routing: Routing | None = None) -> RoutedPairs:
     """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights), on device: one launch at decode sizes (the
     routing kernel sorts the pairs too), else the routing kernel then `sort_pairs_by_expert`. A `routing`
-    worked out already (`kernels.moe.norm_and_route`) is only sorted, if it is not yet."""
+    worked out already (`peagle_kernels.moe.norm_and_route`) is only sorted, if it is not yet."""
     T, E = x.shape[0], router_w.shape[0]
     if routing is not None and tuple(routing.experts.shape) != (T, top_k):
         raise ValueError(f"moe: routing for {tuple(routing.experts.shape)} pairs, x needs ({T}, {top_k})")

@@ -1,11 +1,11 @@
 """Concurrency x speculation-mode sweep: Locust headless per cell, then CSV/JSON/PNG/markdown.
 
 Against a running server (one mode, labelled with --label):
-    python -m loadtest.sweep --host http://127.0.0.1:8000 --concurrency 1,2,4,8 --duration 30
+    python -m peagle_loadtest.sweep --host http://127.0.0.1:8000 --concurrency 1,2,4,8 --duration 30
 Against servers already running per mode:
-    python -m loadtest.sweep --mode-host none=http://127.0.0.1:8000 --mode-host peagle=http://127.0.0.1:8001
+    python -m peagle_loadtest.sweep --mode-host none=http://127.0.0.1:8000 --mode-host peagle=http://127.0.0.1:8001
 Starting one `serve run` cluster per mode from a config (speculative_config overridden per mode):
-    python -m loadtest.sweep --config configs/tiny.yaml --modes none,eagle3,peagle,adaptive \
+    python -m peagle_loadtest.sweep --config configs/tiny.yaml --modes none,eagle3,peagle,adaptive \
         --concurrency 1,2,4,8,16,32,64 --duration 30 --workload mtbench --max-tokens 128
 
 Each cell is a closed-loop Locust run with C users (C requests in flight) for --duration seconds;
@@ -32,13 +32,14 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
-from loadtest import launch, report, server_metrics
-from loadtest.stats import read_records, summarize
-from loadtest.stream import build_request, stream_request
-from loadtest.workloads import WORKLOADS, load_workload
+from peagle_loadtest import launch, report, server_metrics
+from peagle_loadtest.stats import read_records, summarize
+from peagle_loadtest.stream import build_request, stream_request
+from peagle_loadtest.workloads import WORKLOADS, load_workload
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# The folder holding this package: Locust subprocesses import it from there in a bare checkout too.
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -140,7 +141,7 @@ def run_cell(url: str, concurrency: int, load: LoadOptions, plan: CellPlan, cell
            "-u", str(concurrency), "-r", str(spawn), "-t", f"{plan.duration_s:g}s",
            "--stop-timeout", f"{plan.stop_timeout_s:g}", "--host", url, "--csv", str(cell_dir / "locust"),
            "--records-file", str(records), "--loglevel", "WARNING", *load.locust_args()]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE_PARENT), os.environ.get("PYTHONPATH", "")])}
     if load.api_key:
         env["PEAGLE_API_KEY"] = load.api_key  # not on the command line, which `ps` shows
     before = server_metrics.fetch_counters(metrics_url, headers=_auth(load.api_key)) if metrics_url else None
@@ -269,7 +270,7 @@ class _serving:
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{http.get('port', 8000)}"
         cmd = [a.replace("{config}", str(t.config_path)) for a in t.serve_cmd]
         self.proc = launch.ServeProcess(cmd, url, self.out_dir / "servers" / f"{t.mode}.log",
-                                        startup_timeout_s=self.startup_timeout_s, cwd=REPO_ROOT)
+                                        startup_timeout_s=self.startup_timeout_s)
         self.proc.__enter__()
         return url
 
@@ -321,7 +322,7 @@ def _meta(targets: list[Target], load: LoadOptions, plan: CellPlan, label: str, 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.sweep", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m peagle_loadtest.sweep", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     where = p.add_argument_group("what to load")
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:  # MissingDatasetError is a RuntimeError
         p.error(str(e))
     plan = CellPlan(a.duration, a.spawn_rate, a.stop_timeout, a.cell_timeout)
-    command = "python -m loadtest.sweep " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m peagle_loadtest.sweep " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
     doc = run_sweep(targets, concurrency, load, plan, out_dir, metrics_url=a.metrics_url,
                     warmup_requests=a.warmup_requests, startup_timeout_s=a.startup_timeout, label=a.label,
                     command=command.replace(a.api_key, "***") if a.api_key else command)

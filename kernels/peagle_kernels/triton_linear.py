@@ -1,4 +1,4 @@
-"""Triton skinny GEMM: y = x @ W^T + b for at most 16 rows of x; same signature as `kernels.linear.linear_ref`.
+"""Triton skinny GEMM: y = x @ W^T + b for at most 16 rows of x; same signature as `peagle_kernels.linear.linear_ref`.
 
 One 16-row M-tile covers every row, so each program streams its BLOCK_N rows of W from memory exactly once
 over the whole K (no split-K, no second reduce kernel) while x's rows stay in L1/L2. N is cut small so that
@@ -14,15 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
-from kernels.linear import SKINNY_MAX_TOKENS
+from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.linear import SKINNY_MAX_TOKENS
 
 
 @triton.jit
 def skinny_tile(x_ptr, w_ptr, cols, col_ok, M, K, stride_xm, stride_wn, BLOCK_M: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
     """fp32 [BLOCK_M, len(cols)] = x[:M] @ W[cols]^T over the whole K (rows past M are zeros): each of W's rows
-    `cols` streamed once, K contiguous. Shared by the plain GEMM below and `kernels.triton_qkv_rope`."""
+    `cols` streamed once, K contiguous. Shared by the plain GEMM below and `peagle_kernels.triton_qkv_rope`."""
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)

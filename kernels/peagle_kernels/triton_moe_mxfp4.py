@@ -1,7 +1,7 @@
 """Triton GPT-OSS mixture of experts over MXFP4 experts kept packed in memory (W4A16).
 
-Same signature and semantics as `kernels.moe.moe_mxfp4_ref`, and the same plan as the bf16 kernels
-in `kernels.triton_moe` (routing and the device-side sort by expert, grouped M-tiles per expert,
+Same signature and semantics as `peagle_kernels.moe.moe_mxfp4_ref`, and the same plan as the bf16 kernels
+in `peagle_kernels.triton_moe` (routing and the device-side sort by expert, grouped M-tiles per expert,
 the clamped-SwiGLU and weighted un-permuting epilogues are shared from there). Only the weight
 operand differs: each K-step reads BLOCK_K/2 bytes of FP4 codes and BLOCK_K/32 E8M0 scale bytes
 per output row, 4.25 bits a weight instead of 16, and expands them in registers. Hopper has no
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
-from kernels.moe import Routing, check_moe_shapes, mxfp4_shape
-from kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort, token_outputs
+from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
+from peagle_kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort, token_outputs
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
 DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
@@ -168,9 +168,9 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
                      dot_scaled: bool | None = None, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
-    """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`kernels.moe`). `dot_scaled`: None picks
+    """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`peagle_kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
-    otherwise; True/False force one (tests). `routing`: x's routing worked out already (`kernels.moe.Routing`)."""
+    otherwise; True/False force one (tests). `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from loadtest.stats import DEFAULT_PERCENTILES, METRICS
+from peagle_loadtest.stats import DEFAULT_PERCENTILES, METRICS
 
 ACCEPT_KEYS = ("acceptance_length", "draft_acceptance_rate", "acceptance_source", "num_drafts", "num_draft_tokens",
                "num_accepted_tokens")

@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster import protocol as P
-from cluster.protocol import APIError
-from cluster.settings import AppSettings
-from cluster.stats_board import aggregate, get_or_create_board
-from cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
+from peagle_cluster import protocol as P
+from peagle_cluster.protocol import APIError
+from peagle_cluster.settings import AppSettings
+from peagle_cluster.stats_board import aggregate, get_or_create_board
+from peagle_cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
 
 log = logging.getLogger("peagle.cluster")
 

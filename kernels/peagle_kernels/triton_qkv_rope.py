@@ -1,18 +1,18 @@
 """Triton q/k/v projection, rotary embedding and paged KV write in one launch, at decode sizes; same signature and
-semantics as `kernels.rope.qkv_rope_write_kv_ref`.
+semantics as `peagle_kernels.rope.qkv_rope_write_kv_ref`.
 
 At a bs-1 decode step each attention layer ran the q/k/v GEMV (cuBLAS), then `_rope_kernel` (rotation and the KV
 store): two launches, a gap between them, and a 2.2 us kernel that only moves a few KB. Here each program computes
-16 of the projection's columns with the skinny GEMM's loop (`kernels.triton_linear.skinny_tile`): PIECE = 8 dims
+16 of the projection's columns with the skinny GEMM's loop (`peagle_kernels.triton_linear.skinny_tile`): PIECE = 8 dims
 of one head's first half and the 8 dims HALF further on, the pairs the NeoX rotation mixes. So the rotation
 happens in registers, right after the bias: q's programs store the rotated q, k's store the rotated k and its
 cache entry, v's store the cache entry only. Measured on an H200 (docs/benchmarks/ab_qkv_rope.md, 20B shape, bs 1):
 264 us a step against 242 (cuBLAS) + 53 (rope), the decode graph 2.227 ms against 2.260, the step 80 us shorter.
 
 The projection is rounded to x's dtype before the rotation reads it, as `F.linear` stores it; the rotation then
-rounds every product and sum as PyTorch's ops do, with FMA contraction off at launch (`kernels.triton_rope`
+rounds every product and sum as PyTorch's ops do, with FMA contraction off at launch (`peagle_kernels.triton_rope`
 explains why that is bit-identical there). Against the reference the result differs only by the order of the
-GEMM's fp32 sums (`kernels.triton_linear`), which can move a projected value by one rounding step.
+GEMM's fp32 sums (`peagle_kernels.triton_linear`), which can move a projected value by one rounding step.
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
-from kernels.rope import QKV_ROPE_PIECE as PIECE  # dims of a head's half a program rotates
-from kernels.triton_linear import SHIPPED_TILES, skinny_tile
-from kernels.triton_rope import check_write_kv, rounded
+from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.rope import QKV_ROPE_PIECE as PIECE  # dims of a head's half a program rotates
+from peagle_kernels.triton_linear import SHIPPED_TILES, skinny_tile
+from peagle_kernels.triton_rope import check_write_kv, rounded
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""Triton fused residual add + RMSNorm; same signature and semantics as `kernels.norm.add_rms_norm_ref`.
+"""Triton fused residual add + RMSNorm; same signature and semantics as `peagle_kernels.norm.add_rms_norm_ref`.
 
 One program per row holds the whole row in registers (BLOCK = next power of two >= H; 4096 at GPT-OSS's
 2880), so x and the residual are read once and the new residual and the normed row written once: one
@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
-from kernels.norm import is_summands
+from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.norm import is_summands
 
 
 @triton.jit
@@ -55,7 +55,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new_residual) for x [..., H], or for summands x [..., S, H] with a residual (`kernels.norm`);
+    """(normed, new_residual) for x [..., H], or for summands x [..., S, H] with a residual (`peagle_kernels.norm`);
     a None residual returns x itself as the new residual."""
     H = x.shape[-1]
     if weight.shape != (H,):

@@ -1,6 +1,6 @@
 """Triton drafter-input preparation and hidden-state fill.
 
-Same signatures and semantics as `kernels.draft_inputs.prepare_draft_inputs_ref` / `fill_hidden_ref`
+Same signatures and semantics as `peagle_kernels.draft_inputs.prepare_draft_inputs_ref` / `fill_hidden_ref`
 (see there and reference/peagle.md §2.1, §3.1-3.2 for the slot layout).
 
 Both are one launch with no host sync: every output size comes from tensor shapes and Python
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
+from peagle_kernels.dispatch import pdl_launch
 
 
 # The engine launches both kernels eagerly in every step with prompt chunks, whose token counts vary step by step:

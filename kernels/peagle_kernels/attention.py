@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from peagle_kernels.dispatch import use_triton
 
 
 def write_kv_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -27,7 +27,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D] in q's dtype."""
     if use_triton(q):
-        from kernels.triton_attention import paged_attention_triton
+        from peagle_kernels.triton_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                       positions, sinks, sliding_window, scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

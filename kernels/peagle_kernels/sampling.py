@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from peagle_kernels.dispatch import use_triton
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
@@ -53,7 +53,7 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, cu_rows: tor
     `top_k = top_p = None`: no request filters (skips the top-k/top-p sort, see `target_probs`).
     """
     if use_triton(logits):
-        from kernels.triton_sampling import rejection_sample_triton
+        from peagle_kernels.triton_sampling import rejection_sample_triton
         return rejection_sample_triton(logits, draft_ids, cu_rows, temperature, top_k, top_p, uniforms, exp_noise,
                                        max_rows=max_rows)
     return rejection_sample_ref(logits, draft_ids, cu_rows, temperature, top_k, top_p, uniforms, exp_noise,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import needs_grad, use_triton
+from peagle_kernels.dispatch import needs_grad, use_triton
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x) and not needs_grad(x, residual, weight):
-        from kernels.triton_norm import add_rms_norm_triton
+        from peagle_kernels.triton_norm import add_rms_norm_triton
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
 

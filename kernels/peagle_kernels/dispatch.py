@@ -125,10 +125,10 @@ def triton_has_pdl() -> bool:
 
 
 def triton_kernels() -> dict[str, object]:
-    """The Triton JIT functions of the loaded `kernels.triton_*` modules, by name (module.function)."""
+    """The Triton JIT functions of the loaded `peagle_kernels.triton_*` modules, by name (module.function)."""
     import sys
 
-    return {f"{name[8:]}.{attr}": fn for name, module in list(sys.modules.items()) if name.startswith("kernels.triton_")
+    return {f"{name.removeprefix('peagle_kernels.')}.{attr}": fn for name, module in list(sys.modules.items()) if name.startswith("peagle_kernels.triton_")
             for attr, fn in vars(module).items() if getattr(fn, "device_caches", None) is not None}
 
 

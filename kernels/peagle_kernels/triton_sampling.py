@@ -1,6 +1,6 @@
 """Triton verification: greedy acceptance and speculative rejection sampling in one kernel.
 
-Same signature and semantics as `kernels.sampling.rejection_sample_ref` (read its docstring first).
+Same signature and semantics as `peagle_kernels.sampling.rejection_sample_ref` (read its docstring first).
 
 One program per request walks its rows in order and stops at the first rejection, so a request
 that rejects early reads no further rows:
@@ -11,7 +11,7 @@ that rejects early reads no further rows:
   bonus row has no draft, so it samples from p itself).
 Argmaxes take the first maximal index, as torch does, so equal inputs give equal outputs.
 
-Temperature, top-k and top-p are applied before the kernel by `kernels.sampling.target_probs` (the
+Temperature, top-k and top-p are applied before the kernel by `peagle_kernels.sampling.target_probs` (the
 reference's own function, in torch): p is then bit-identical in both paths, which the exactness of
 `uniforms < p(d)` needs. That precompute is what a sampled batch costs: callers with only greedy
 requests pass `uniforms=exp_noise=None` (no probabilities are built, every request is verified
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
-from kernels.sampling import target_probs
+from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.sampling import target_probs
 
 # Vocabulary tile and warps: one program scans a row in V / BLOCK_V_MAX dependent steps. 16384 / 8 was the
 # fastest of {4096, 8192, 16384} x {4, 8, 16} on an H200 (V = 201088, bf16 logits, B = 1..256).

@@ -1,4 +1,4 @@
 """Ray Serve application: OpenAI-compatible router, engine replicas, autoscaling, telemetry.
 
-`serve run configs/tiny.yaml` imports `cluster.app:build_app`.
+`serve run configs/tiny.yaml` imports `peagle_cluster.app:build_app`.
 """

@@ -1,7 +1,7 @@
 """Triton paged attention (sinks, sliding window, GQA); the paged KV write rides in the RoPE kernel
-(`kernels.triton_rope.rope_write_kv_triton`).
+(`peagle_kernels.triton_rope.rope_write_kv_triton`).
 
-Same signature and semantics as `kernels.attention.paged_attention_ref`.
+Same signature and semantics as `peagle_kernels.attention.paged_attention_ref`.
 
 One attention kernel serves prefill chunks, multi-token verify/draft queries and single-token
 decode. A program owns a tile of up to BLOCK_Q query tokens of one request and one kv head, and
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import pdl_launch
+from peagle_kernels.dispatch import pdl_launch
 
 LOG2E = 1.4426950408889634
 NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: avoids (-inf) - (-inf) = nan
