@@ -10,6 +10,8 @@ import time
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="one-off generation with speculative statistics")
     p.add_argument("--model", default="tiny", help="target checkpoint directory, Hub repo id, or 'tiny'")
+    p.add_argument("--revision", help="Hub branch, tag or commit of --model")
+    p.add_argument("--download-dir", help="Hub cache directory (default: huggingface_hub's)")
     p.add_argument("--drafter", help="drafter head (default for tiny: the shipped head of --mode)")
     p.add_argument("--mode", choices=["peagle", "eagle3", "none"], default="peagle")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
@@ -38,7 +40,7 @@ def run_generate(args) -> int:
         spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": args.k,
                 "parallel_drafting": args.mode == "peagle", "adaptive": args.adaptive}
     llm = LLM(args.model, speculative_config=spec, device=args.device, dtype=args.dtype,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, revision=args.revision, download_dir=args.download_dir)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
                for p in args.prompt]
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)

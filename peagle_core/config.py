@@ -211,6 +211,7 @@ class SpeculativeConfig(Strict):
 
     method: Literal["eagle3", "peagle", "none"] = "eagle3"
     model: str | None = None
+    revision: str | None = None
     num_speculative_tokens: int = Field(default=5, ge=1, le=32)
     parallel_drafting: bool = False
     adaptive: bool = False
@@ -289,6 +290,9 @@ class EngineConfig(Strict):
 
     model: str = "tiny"
     tokenizer: str | None = None
+    revision: str | None = None            # Hub branch, tag or commit of `model`
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None        # Hub cache directory (default: huggingface_hub's)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     device: str | None = None
     seed: int = 0

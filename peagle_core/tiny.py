@@ -1,13 +1,10 @@
-"""The tiny GPT-OSS model pair: architecture, and a random stand-in when trained weights are absent.
+"""The tiny GPT-OSS model pair's architecture.
 
-The trained target, tokenizer and drafters ship under `peagle_core/assets/tiny/` (see its model
-card). A checkout without them still serves: `ensure_random_tiny()` writes a random model with the
-shipped tokenizer into the user cache (deterministic, a few MB), so `model: tiny` always resolves.
+The trained target, tokenizer and drafters ship under `peagle_core/assets/tiny/` (see its model card);
+`model: tiny` resolves there and fails loudly when they are missing (`loading/hub.py`).
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from peagle_core.config import DrafterConfig, GptOssConfig
@@ -32,27 +29,3 @@ def drafter_config(parallel: bool, layers: int | None = None) -> DrafterConfig:
                          vocab_size=t.vocab_size, draft_vocab_size=t.vocab_size, target_hidden_size=t.hidden_size,
                          max_position_embeddings=t.max_position_embeddings, aux_layer_ids=[1, 3, 5],
                          mask_token_id=MASK_TOKEN_ID if parallel else None, parallel_drafting=parallel)
-
-
-def ensure_random_tiny() -> dict[str, Path]:
-    root = Path(os.environ.get("PEAGLE_CACHE", Path.home() / ".cache" / "peagle")) / "tiny-random"
-    paths = {"tiny": root / "target", "tiny-peagle": root / "peagle", "tiny-eagle3": root / "eagle3"}
-    if all((p / "config.json").exists() for p in paths.values()):
-        return paths
-    from peagle_core.loading.checkpoint import init_random_, save_drafter, save_target
-    from peagle_core.models.drafter import Drafter
-    from peagle_core.models.gpt_oss import GptOss
-
-    tmp = root.with_name(f"tiny-random.tmp{os.getpid()}")
-    target = init_random_(GptOss(target_config()), seed=0)
-    save_target(target, tmp / "target")
-    for f in TOKENIZER_FILES:
-        shutil.copy(ASSETS / f, tmp / "target" / f)
-    for name, parallel in (("peagle", True), ("eagle3", False)):
-        cfg = drafter_config(parallel)
-        save_drafter(init_random_(Drafter(cfg), seed=1), tmp / name)
-    if not root.exists():
-        tmp.rename(root)  # atomic: concurrent replicas never see a half-written model
-    else:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return paths

@@ -100,8 +100,9 @@ class LLMEngine:
         if self.device.type == "cuda":
             reclaim_dropped_engines()
         torch.manual_seed(cfg.seed)
-        path = resolve(cfg.model)
-        self.tokenizer = load_tokenizer(resolve(cfg.tokenizer) if cfg.tokenizer else path)
+        path = resolve(cfg.model, cfg.revision, cfg.download_dir)
+        self.tokenizer = load_tokenizer(resolve(cfg.tokenizer, cfg.tokenizer_revision or cfg.revision, cfg.download_dir)
+                                        if cfg.tokenizer else path)
         # TP=N: ranks 1..N-1 start loading their shards now; TP=1: a stand-in that does nothing.
         self.tp = start_tensor_parallel(cfg, path, self.device, self.dtype)
         try:
@@ -118,7 +119,8 @@ class LLMEngine:
         self.mode, self.K = cfg.spec_mode, cfg.num_spec_tokens
         self.drafter = None
         if self.mode != "none":
-            self.drafter = load_drafter(resolve(cfg.speculative_config.model), self.target, self.dtype, self.device)
+            self.drafter = load_drafter(resolve(cfg.speculative_config.model, cfg.speculative_config.revision,
+                                                cfg.download_dir), self.target, self.dtype, self.device)
             if self.mode == "peagle" and self.drafter.mask_hidden is None:
                 raise ValueError(f"drafter {cfg.speculative_config.model!r} has no mask token / mask_hidden: it cannot "
                                  "draft in parallel; use parallel_drafting=false (EAGLE-3)")

@@ -276,7 +276,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     store.set(f"hello/{rank}", str(os.getpid()))
     comm = Communicator(store, rank, world, device, spec.gloo_host or _node_ip(), spec.timeout_s)
 
-    path = resolve(cfg.model)
+    path = resolve(cfg.model, cfg.revision, cfg.download_dir)  # rank 0 fetched it: a cache hit here
     tcfg = GptOssConfig.from_hf(read_json(path / "config.json"))
     target = load_target(path, spec.dtype, device, world, target_shard(tcfg, rank, world), cfg.quantization)
     install_all_reduce(target, comm.all_reduce)
