@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine's image lacks (it has torch, triton, safetensors, tokenizers, transformers,
 # but not pydantic). Run here, then carry `.whl` and start each device command with:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:$PWD/kernels:$PWD/cluster:$PWD/loadtest:/tmp/site
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude

@@ -31,7 +31,7 @@ OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
 if [ -d .whl ] && ! PYTHONPATH=/tmp/site python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/kernels:$PWD/cluster:$PWD/loadtest:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
 sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive` (settings from the environment; TRACE: the
@@ -102,7 +102,7 @@ case "${1:-}" in
        ab_profile() {  # ab_profile NAME DIR [ENV...] [-- ARGS...]
          local name=$1 dir=$2 envs=() ; shift 2
          while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done; [ "${1:-}" = -- ] && shift
-         (cd "$dir" && env PYTHONPATH="$dir:/tmp/site" "${envs[@]}" timeout "${AB_TIMEOUT:-120}" python3 \
+         (cd "$dir" && env PYTHONPATH="$dir:$dir/kernels:$dir/cluster:$dir/loadtest:/tmp/site" "${envs[@]}" timeout "${AB_TIMEOUT:-120}" python3 \
            benchmarks/profile_step.py --graphs-only --skip-draft "$@" --out "/tmp/ab/$name") 2>&1 \
            | grep -v "^USDT\|^STAGE" | sed "s/^/$name: /" | tail -n 3
        }
@@ -136,8 +136,9 @@ case "${1:-}" in
   skinny)  # one H200: the attention projections at decode sizes, cuBLAS against the skinny Triton GEMM's launch shapes
     timeout "${SKINNY_TIMEOUT:-150}" python3 benchmarks/skinny_linear.py --out "$OUT" 2>&1 | tail -n 12
     ;;
-  moe-tiles)  # one H200: MoE launch shapes at decode sizes (docs/benchmarks/moe_tiles.*)
-    timeout 300 python3 benchmarks/moe_tiles.py --out "$OUT" 2>&1 | tail -n 3
+  moe-tiles)  # one GPU: MoE launch shapes by token count (docs/benchmarks/moe_tiles.*), then the MXFP4 GPU tests
+    timeout 330 python3 benchmarks/moe_tiles.py --out "$OUT" > "$OUT/moe_tiles.log" 2>&1; tail -n 40 "$OUT/moe_tiles.log"
+    timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py 2>&1 | tail -n 5
     ;;
   pair-tp)  # two H200s: the tiny pair's heads (one GPU each), then TP=1 vs TP=2 at the 20B shape
     train_heads /tmp/pair --head-steps 4000 --head-minutes "${HEAD_MINUTES:-4}"

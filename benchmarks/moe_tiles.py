@@ -1,11 +1,14 @@
-"""Decode-size tiles of the MoE kernels: achieved bandwidth of one MoE layer per tile choice, on one GPU.
+"""MoE launch shapes at decode and verify sizes: time and effective bandwidth of one MoE layer, on one GPU.
 
-    python benchmarks/moe_tiles.py --out "$OUT"
+    python benchmarks/moe_tiles.py --out "$OUT" [--tokens 1,2,4,8,16,64,256] [--layers 120b-mxfp4,20b-mxfp4]
 
-One GPT-OSS MoE layer as the engine builds it (20B shape in bf16, 120B shape with packed MXFP4 experts), random
-weights filled as `peagle bench` fills them, T tokens routed top-4. Each candidate `MoeTiles` replaces `peagle_kernels.triton_moe.moe_tiles` for small T; the layer is
-captured in a CUDA graph of 20 calls (launch costs as in the engine) and timed with CUDA events. Bandwidth =
-bytes of the experts the tokens select / time. Writes moe_tiles.json and moe_tiles.md.
+One GPT-OSS MoE layer as the engine builds it (MXFP4 experts packed, or bf16), random weights filled as
+`peagle bench` fills them, T tokens routed top-4. Each candidate `MoeTiles` replaces
+`peagle_kernels.triton_moe.moe_tiles` for T <= 32 (larger T keep the shipped tiles, timed once as a baseline);
+the layer is captured in a CUDA graph of 20 calls (launch costs as in the engine) and timed with CUDA events,
+best of 5 replays. Effective bandwidth = bytes of the experts the tokens actually select / time. Every
+candidate's output is checked against the shipped tiles' on the same input (relative L2 error).
+Writes moe_tiles.json and moe_tiles.md.
 """
 from __future__ import annotations
 
@@ -21,17 +24,14 @@ import peagle_kernels.triton_moe as tm  # noqa: E402
 from peagle_core.bench import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
-# (block_m, up_n, down_n, block_k, num_warps, num_stages) per layer; each list starts with the shipped choice
-# for T <= 32. The eight candidates the first runs shared (docs/benchmarks/moe_tiles_shared.md) left bf16 flat
-# around the shipped tiles and MXFP4 best at 2 warps, so each list now varies what those runs did not isolate:
-# bf16's down tile alone (its 180 programs on 132 SMs), MXFP4's warps and tiles around 2 warps.
-CANDIDATES = {
-    "20b-bf16": [(16, 32, 64, 128, 4, 4), (16, 32, 32, 128, 4, 4), (16, 32, 16, 128, 4, 4), (16, 32, 64, 256, 4, 3),
-                 (16, 32, 32, 64, 4, 6), (16, 32, 64, 128, 4, 5), (16, 64, 64, 64, 4, 6), (16, 32, 16, 256, 4, 3)],
-    "120b-mxfp4": [(16, 32, 64, 128, 4, 4), (16, 32, 32, 128, 2, 4), (16, 32, 64, 128, 2, 4), (16, 64, 64, 128, 2, 4),
-                   (16, 32, 32, 256, 2, 3), (16, 32, 32, 128, 1, 4), (16, 16, 32, 128, 1, 4), (16, 32, 32, 128, 2, 6),
-                   (16, 64, 128, 128, 4, 4)],
-}
+# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, swap). The first of each list is the
+# shipped choice. `swap` puts the packed weights on the MMA's M side (triton_moe_mxfp4).
+MXFP4 = [(16, 32, 32, 128, 2, 4, False),
+         (16, 32, 32, 128, 4, 4, True), (16, 64, 64, 128, 4, 4, True), (16, 32, 32, 256, 4, 3, True),
+         (16, 64, 64, 256, 4, 3, True), (16, 16, 16, 256, 2, 4, True), (16, 32, 32, 256, 2, 4, True),
+         (16, 64, 64, 256, 8, 3, True), (16, 128, 128, 128, 8, 3, True), (16, 32, 64, 512, 4, 2, True)]
+LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
+          "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
 
 
 def time_graph(fn, reps: int = 20, trials: int = 5) -> float:
@@ -56,7 +56,8 @@ def time_graph(fn, reps: int = 20, trials: int = 5) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--tokens", default="1,2,4,8,16,64,256")
+    ap.add_argument("--layers", default="120b-mxfp4,20b-mxfp4,20b-bf16")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -64,8 +65,8 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     shipped = tm.moe_tiles
     rows = []
-    for name, shape, mx in (("20b-bf16", "20b", False), ("120b-mxfp4", "120b", True)):
-        # one MoE layer as the engine builds it, random weights as `peagle bench` fills them
+    for name in a.layers.split(","):
+        shape, mx, candidates = LAYERS[name]
         layer = build_random(lambda: MoE(target_config(shape), mxfp4_experts=mx), torch.device("cuda"),
                              torch.bfloat16, 0)
         E = layer.router.weight.shape[0]
@@ -74,13 +75,16 @@ def main() -> None:
             x = torch.randn(T, 2880, device="cuda", generator=g).bfloat16()
             with torch.no_grad():
                 experts = torch.topk(x.float() @ layer.router.weight.float().T, layer.top_k).indices.unique().numel()
+                want = layer(x).float()
             nbytes = experts * expert_bytes
-            for c in CANDIDATES[name]:
+            for c in (candidates if T <= 32 else candidates[:1]):
                 tm.moe_tiles = lambda n, k, mxfp4=False, c=c: tm.MoeTiles(*c) if n <= 32 else shipped(n, k, mxfp4)
                 try:
-                    us = time_graph(lambda: layer(x))
+                    with torch.no_grad():
+                        err = ((layer(x).float() - want).norm() / want.norm()).item()
+                        us = time_graph(lambda: layer(x))
                     row = {"layer": name, "T": T, "tiles": c, "us": us, "experts": experts,
-                           "tb_s": nbytes / us / 1e6}
+                           "tb_s": nbytes / us / 1e6, "rel_err": err}
                 except Exception as e:  # a tile the compiler refuses (shared memory, ...)
                     row = {"layer": name, "T": T, "tiles": c, "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 finally:
@@ -91,10 +95,19 @@ def main() -> None:
         del layer
         torch.cuda.empty_cache()
     (out / "moe_tiles.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages) | us | TB/s |", "| --- | --- | --- | --- | --- |"]
+    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages, swap) | us | TB/s | rel. err |",
+          "| --- | --- | --- | --- | --- | --- |"]
     md += [f"| {r['layer']} | {r['T']} | {r['tiles']} | {r.get('us', float('nan')):.1f} | "
-           f"{r.get('tb_s', float('nan')):.2f} |" for r in rows]
+           f"{r.get('tb_s', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |" for r in rows]
     (out / "moe_tiles.md").write_text("\n".join(md) + "\n")
+    best = {}
+    for r in rows:
+        key = (r["layer"], r["T"])
+        if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+            best[key] = r
+    print("\nbest per layer and T:")
+    for (layer, T), r in best.items():
+        print(f"{layer:11s} T={T:<4d} {r['us']:8.1f} us {r['tb_s']:5.2f} TB/s {r['tiles']}")
 
 
 if __name__ == "__main__":

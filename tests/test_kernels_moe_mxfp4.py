@@ -37,7 +37,7 @@ def _mxfp4_module(kernels, interpret: bool):
 
     module = importlib.import_module("peagle_kernels.triton_moe_mxfp4")
     compiled = any(isinstance(v, JITFunction) for v in vars(module).values())
-    if module._expert_rows is not peagle_kernels.moe._expert_rows or compiled == interpret:
+    if module._expert_rows is not kernels.moe._expert_rows or compiled == interpret:
         module = importlib.reload(module)
     return module
 
@@ -94,6 +94,14 @@ def test_moe_mxfp4_matches_reference(mx, T, H, I, E, top_k, limit):
     torch.testing.assert_close(out, ref, **TOL)
 
 
+@pytest.mark.parametrize("T,H,I,E,top_k,limit", [CASES[0], CASES[1], CASES[3]])
+def test_swapped_orientation_matches_reference(mx, T, H, I, E, top_k, limit):
+    """Weights as the MMA's M operand (decode tiles): the same function, fp32 through the explicit decode."""
+    p = make_packed(T, H, I, E, seed=T + 5)
+    out = mx.moe_mxfp4_triton(**p, top_k=top_k, alpha=ALPHA, limit=limit, swap=True)
+    torch.testing.assert_close(out, moe_mxfp4_ref(**p, top_k=top_k, alpha=ALPHA, limit=limit), **TOL)
+
+
 @pytest.mark.parametrize("T", [5, 70])
 def test_ragged_routing_one_hot_expert(mx, T):
     """Every token picks expert 2 (at T=70 it spans two 64-row M-tiles) plus one other; some experts get none."""
@@ -134,12 +142,13 @@ def fp32_oracle(p: dict, top_k: int) -> torch.Tensor:
     return ref
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["tokens-as-M", "weights-as-M"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,H,I", [(1, 96, 64), (37, 64, 96)])
-def test_dot_scaled_path_half_precision(mx, dtype, T, H, I):
-    """bf16/fp16 activations go through tl.dot_scaled."""
+def test_dot_scaled_path_half_precision(mx, dtype, T, H, I, swap):
+    """bf16/fp16 activations go through tl.dot_scaled, with the packed weights as either operand."""
     p = make_packed(T, H, I, 6, seed=T + 1, dtype=dtype)
-    out = moe_mxfp4(**p, top_k=3, alpha=ALPHA, limit=7.0)
+    out = mx.moe_mxfp4_triton(**p, top_k=3, alpha=ALPHA, limit=7.0, swap=swap)
     assert out.dtype == dtype
     ref = fp32_oracle(p, 3)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
@@ -191,14 +200,17 @@ def test_bad_inputs(mx):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap", [False, True], ids=["tokens-as-M", "weights-as-M"])
 @pytest.mark.parametrize("dot_scaled", [True, False])
 @pytest.mark.parametrize("T", [1, 4, 37, 64, 300])
-def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled):
-    """GPT-OSS layer shape (H = I = 2880 = 90 blocks, E = 32, k = 4), compiled, both ways of expanding FP4."""
+def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled, swap):
+    """GPT-OSS layer shape (H = I = 2880 = 90 blocks, E = 32, k = 4), compiled, both ways of expanding FP4 and
+    both operand orders."""
     p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
-    out = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled)
+    kw = dict(top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled, swap=swap)
+    out = mx_cuda.moe_mxfp4_triton(**p, **kw)
     assert out.dtype == torch.bfloat16
-    summands = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled, reduce=False)
+    summands = mx_cuda.moe_mxfp4_triton(**p, **kw, reduce=False)
     assert torch.equal(summands.sum(1), out)
     ref = fp32_oracle(p, 4)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)

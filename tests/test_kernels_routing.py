@@ -189,7 +189,7 @@ def test_sort_folded_into_routing(triton_interpret, T, E, k, folded):
 def assert_sorted_pairs(kernels, sorted_pairs, experts: torch.Tensor, E: int) -> None:
     """(order, offsets) are exactly the stable counting sort of the pairs by expert."""
     order, offsets = sorted_pairs
-    want_order, want_offsets = peagle_kernels.moe.sort_pairs_by_expert(experts, E)
+    want_order, want_offsets = kernels.moe.sort_pairs_by_expert(experts, E)
     assert order.dtype == offsets.dtype == torch.int32
     assert torch.equal(order, want_order) and torch.equal(offsets, want_offsets)
     assert torch.equal(order.long(), torch.argsort(experts.flatten(), stable=True))

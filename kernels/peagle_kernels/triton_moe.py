@@ -204,6 +204,7 @@ class MoeTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    swap: bool = False  # MXFP4 only: weights as the MMA's M operand, tokens on its N side (triton_moe_mxfp4)
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:

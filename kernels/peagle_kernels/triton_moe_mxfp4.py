@@ -23,6 +23,7 @@ multiples of 32 (whole MXFP4 blocks), not of the tiles: partial K-tiles are mask
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -67,20 +68,29 @@ def _unpack_mxfp4(codes, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _mxfp4_step(acc, a, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc [BM, BN] += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile.
+                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr):
+    """acc += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile: acc is [BM, BN], or
+    [BN, BM] with SWAP (weights as the MMA's M operand: a few tokens fill its N side, see the module docstring).
 
     w_rows [BN]: pointers to each row's code bytes (K/2 a row); s_rows [BN]: to its scales (K/32)."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
     sb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     # Masked (past-K or past-N) codes are 0, so their value is 0 whatever the scale: 127 = 2^0 keeps it finite.
     scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None] & (sb < K // 32)[None, :], other=127)
-    if DOT_SCALED:
-        acc = tl.dot_scaled(a, None, LHS_FMT, codes, scales, "e2m1", acc)
-    else:
-        w = _unpack_mxfp4(codes, scales, BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
+    if SWAP:  # codes [BN, BLOCK_K/2]: each row's bytes contiguous, 16-byte loads along K
+        codes = tl.load(w_rows[:, None] + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+        if DOT_SCALED:
+            acc = tl.dot_scaled(codes, scales, "e2m1", tl.trans(a), None, LHS_FMT, acc)
+        else:
+            w = tl.trans(_unpack_mxfp4(tl.trans(codes), scales, BLOCK_K, BLOCK_N))
+            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc, input_precision=DOT_PREC)
+    else:  # codes [BLOCK_K/2, BN]
+        codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
+        if DOT_SCALED:
+            acc = tl.dot_scaled(a, None, LHS_FMT, codes, scales, "e2m1", acc)
+        else:
+            w = _unpack_mxfp4(codes, scales, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -89,7 +99,7 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
                          num_experts, hidden, inter, alpha, limit,
                          stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
+                         DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr,
                          ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
@@ -108,14 +118,16 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
     gate_n = (2 * cols).to(tl.int64)
     gate_b = wb_ptr + e.to(tl.int64) * stride_wbe + gate_n * stride_wbn
     gate_s = ws_ptr + e.to(tl.int64) * stride_wse + gate_n * stride_wsn
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
         acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
-                               DOT_SCALED, LHS_FMT, DOT_PREC)
+                               DOT_SCALED, LHS_FMT, DOT_PREC, SWAP)
         acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
-                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
+                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC, SWAP)
+    if SWAP:
+        acc_gate, acc_up = tl.trans(acc_gate), tl.trans(acc_up)
     _swiglu_store(acc_gate, acc_up, b1_ptr + e.to(tl.int64) * stride_be, h_ptr, stride_ht, rows, row_ok, cols, col_ok,
                   alpha, limit)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
@@ -127,7 +139,7 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
                            num_experts, hidden, inter,
                            stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
+                           DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr,
                            ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted)."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
@@ -145,10 +157,13 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
     h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_ht
     w_b = wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn
     w_s = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
-        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
+        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC,
+                          SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
     _weighted_store(acc, b2_ptr + e.to(tl.int64) * stride_be, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
@@ -167,10 +182,12 @@ def _packed(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
 def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
-                     dot_scaled: bool | None = None, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
+                     dot_scaled: bool | None = None, swap: bool | None = None, reduce: bool = True,
+                     routing: Routing | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`peagle_kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
-    otherwise; True/False force one (tests). `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
+    otherwise; True/False force one (tests). `swap`: None takes the tiles' orientation, True/False force one.
+    `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
@@ -188,8 +205,9 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     b1, b2 = b1.contiguous(), b2.contiguous()
 
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
-    tiles = r.tiles  # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
-    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
+    tiles = r.tiles if swap is None else dataclasses.replace(r.tiles, swap=swap)
+    # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
+    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, SWAP=tiles.swap, **r.kernel_args(),
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
