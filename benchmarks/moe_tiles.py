@@ -24,12 +24,13 @@ import peagle_kernels.triton_moe as tm  # noqa: E402
 from peagle_core.bench import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
-# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, swap). The first of each list is the
-# shipped choice. `swap` puts the packed weights on the MMA's M side (triton_moe_mxfp4).
-MXFP4 = [(16, 32, 32, 128, 2, 4, False),
-         (16, 32, 32, 128, 4, 4, True), (16, 64, 64, 128, 4, 4, True), (16, 32, 32, 256, 4, 3, True),
-         (16, 64, 64, 256, 4, 3, True), (16, 16, 16, 256, 2, 4, True), (16, 32, 32, 256, 2, 4, True),
-         (16, 64, 64, 256, 8, 3, True), (16, 128, 128, 128, 8, 3, True), (16, 32, 64, 512, 4, 2, True)]
+# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, swap, fp16_decode). The first of each
+# list is the shipped choice. `swap` puts the packed weights on the MMA's M side, `fp16_decode` expands FP4 by bit
+# moves into fp16 (triton_moe_mxfp4).
+MXFP4 = [(16, 32, 32, 128, 2, 4, False, False), (16, 32, 32, 256, 2, 4, True, False),
+         (16, 32, 32, 32, 2, 4, True, True), (16, 64, 64, 32, 4, 4, True, True), (16, 32, 32, 32, 4, 6, True, True),
+         (16, 64, 64, 32, 4, 6, True, True), (16, 128, 128, 32, 4, 4, True, True), (16, 128, 128, 32, 8, 4, True, True),
+         (16, 16, 16, 32, 1, 6, True, True), (16, 64, 128, 32, 4, 8, True, True), (16, 64, 64, 32, 2, 8, True, True)]
 LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
           "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
 
