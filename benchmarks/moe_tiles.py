@@ -24,13 +24,9 @@ import peagle_kernels.triton_moe as tm  # noqa: E402
 from peagle_core.bench import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
-# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, swap, fp16_decode). The first of each
-# list is the shipped choice. `swap` puts the packed weights on the MMA's M side, `fp16_decode` expands FP4 by bit
-# moves into fp16 (triton_moe_mxfp4).
-MXFP4 = [(16, 32, 32, 128, 2, 4, False, False), (16, 32, 32, 256, 2, 4, True, False),
-         (16, 32, 32, 32, 2, 4, True, True), (16, 64, 64, 32, 4, 4, True, True), (16, 32, 32, 32, 4, 6, True, True),
-         (16, 64, 64, 32, 4, 6, True, True), (16, 128, 128, 32, 4, 4, True, True), (16, 128, 128, 32, 8, 4, True, True),
-         (16, 16, 16, 32, 1, 6, True, True), (16, 64, 128, 32, 4, 8, True, True), (16, 64, 64, 32, 2, 8, True, True)]
+# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages); the first of each list is the shipped
+# choice for T <= 32.
+MXFP4 = [(16, 32, 32, 128, 2, 4), (16, 32, 32, 128, 4, 4), (16, 64, 64, 128, 2, 4), (16, 32, 32, 256, 2, 3)]
 LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
           "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
 
@@ -96,7 +92,7 @@ def main() -> None:
         del layer
         torch.cuda.empty_cache()
     (out / "moe_tiles.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages, swap) | us | TB/s | rel. err |",
+    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages) | us | TB/s | rel. err |",
           "| --- | --- | --- | --- | --- | --- |"]
     md += [f"| {r['layer']} | {r['T']} | {r['tiles']} | {r.get('us', float('nan')):.1f} | "
            f"{r.get('tb_s', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |" for r in rows]

@@ -94,14 +94,6 @@ def test_moe_mxfp4_matches_reference(mx, T, H, I, E, top_k, limit):
     torch.testing.assert_close(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("T,H,I,E,top_k,limit", [CASES[0], CASES[1], CASES[3]])
-def test_swapped_orientation_matches_reference(mx, T, H, I, E, top_k, limit):
-    """Weights as the MMA's M operand (decode tiles): the same function, fp32 through the explicit decode."""
-    p = make_packed(T, H, I, E, seed=T + 5)
-    out = mx.moe_mxfp4_triton(**p, top_k=top_k, alpha=ALPHA, limit=limit, swap=True)
-    torch.testing.assert_close(out, moe_mxfp4_ref(**p, top_k=top_k, alpha=ALPHA, limit=limit), **TOL)
-
-
 @pytest.mark.parametrize("T", [5, 70])
 def test_ragged_routing_one_hot_expert(mx, T):
     """Every token picks expert 2 (at T=70 it spans two 64-row M-tiles) plus one other; some experts get none."""
@@ -142,15 +134,12 @@ def fp32_oracle(p: dict, top_k: int) -> torch.Tensor:
     return ref
 
 
-@pytest.mark.parametrize("mode", ["tokens-as-M", "weights-as-M", "fp16-decode"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,H,I", [(1, 96, 64), (37, 64, 96)])
-def test_dot_scaled_path_half_precision(mx, dtype, T, H, I, mode):
-    """bf16/fp16 activations go through tl.dot_scaled with the packed weights as either operand, or through the
-    fp16 decode."""
+def test_dot_scaled_path_half_precision(mx, dtype, T, H, I):
+    """bf16/fp16 activations go through tl.dot_scaled."""
     p = make_packed(T, H, I, 6, seed=T + 1, dtype=dtype)
-    out = mx.moe_mxfp4_triton(**p, top_k=3, alpha=ALPHA, limit=7.0, swap=mode != "tokens-as-M",
-                              fp16=mode == "fp16-decode")
+    out = moe_mxfp4(**p, top_k=3, alpha=ALPHA, limit=7.0)
     assert out.dtype == dtype
     ref = fp32_oracle(p, 3)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
@@ -184,14 +173,6 @@ def test_fp4_decode_is_bit_exact(mx):
     assert torch.equal(out.T, want)
     assert set(FP4_VALUES) <= set((want[1, 32:]).tolist())  # scale 127: every code's own value appears
 
-    @triton.jit
-    def as_fp16(codes_ptr, out_ptr):
-        tl.store(out_ptr + tl.arange(0, 16), _MX._fp4_as_fp16(tl.load(codes_ptr + tl.arange(0, 16))))
-
-    codes, halves = torch.arange(16, dtype=torch.int32), torch.empty(16, dtype=torch.float16)
-    as_fp16[(1,)](codes, halves)
-    assert torch.equal(halves.float() * 2.0 ** 14, torch.tensor(FP4_VALUES))  # the fp16 decode, every code
-
 
 def test_bad_inputs(mx):
     p = make_packed(2, 64, 32, 4)
@@ -210,18 +191,14 @@ def test_bad_inputs(mx):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap,fp16", [(False, False), (True, False), (True, True)],
-                         ids=["tokens-as-M", "weights-as-M", "fp16-decode"])
 @pytest.mark.parametrize("dot_scaled", [True, False])
 @pytest.mark.parametrize("T", [1, 4, 37, 64, 300])
-def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled, swap, fp16):
-    """GPT-OSS layer shape (H = I = 2880 = 90 blocks, E = 32, k = 4), compiled, every way of expanding FP4 and
-    both operand orders."""
+def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled):
+    """GPT-OSS layer shape (H = I = 2880 = 90 blocks, E = 32, k = 4), compiled, both ways of expanding FP4."""
     p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
-    kw = dict(top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled, swap=swap, fp16=fp16)
-    out = mx_cuda.moe_mxfp4_triton(**p, **kw)
+    out = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled)
     assert out.dtype == torch.bfloat16
-    summands = mx_cuda.moe_mxfp4_triton(**p, **kw, reduce=False)
+    summands = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled, reduce=False)
     assert torch.equal(summands.sum(1), out)
     ref = fp32_oracle(p, 4)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)

@@ -204,8 +204,6 @@ class MoeTiles:
     block_k: int
     num_warps: int
     num_stages: int
-    swap: bool = False  # MXFP4 only: weights as the MMA's M operand, tokens on its N side (triton_moe_mxfp4)
-    fp16_decode: bool = False  # MXFP4 only: FP4 -> fp16 by bit moves, fp16 MMA, scales on the sums (implies swap)
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:

@@ -23,7 +23,6 @@ multiples of 32 (whole MXFP4 blocks), not of the tiles: partial K-tiles are mask
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -34,8 +33,7 @@ from peagle_kernels.dispatch import pdl_launch
 from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
 from peagle_kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort, token_outputs
 
-# "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode; "fp16": the
-# fp16 decode for bf16/fp16 activations at decode sizes (the tiles' `fp16_decode`).
+# "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
 DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
 
 
@@ -68,58 +66,21 @@ def _unpack_mxfp4(codes, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _fp4_as_fp16(code):
-    """FP4 E2M1 codes (low 4 bits of an int32) -> fp16 holding value * 2^-14, exactly: sign to bit 15, the three
-    magnitude bits to the exponent's low two bits and the mantissa's top bit. Code 1 (0.5) becomes an fp16
-    subnormal, which fp16 tensor-core MMAs keep. Five integer operations a weight, no selects."""
-    bits = ((code & 8) << 12) | ((code & 7) << 9)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _mxfp4_step_fp16(acc, a, w_rows, s_rows, n_ok, k0, K):
-    """acc [BN, BM] += W[n, k0:k0 + 32] @ a^T for one MXFP4 block (32 weights a row, one scale): the codes become
-    fp16 (`_fp4_as_fp16`), an fp16 MMA sums them against a in fp16, and the block's scale (times the 2^14 the
-    decode left out) multiplies that partial sum, so scales cost per output element, not per weight."""
-    kb = k0 // 2 + tl.arange(0, 16)
-    codes = tl.load(w_rows[:, None] + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
-    w = tl.reshape(tl.join(_fp4_as_fp16(codes), _fp4_as_fp16(codes >> 4)), (codes.shape[0], 32))
-    part = tl.dot(w, tl.trans(a.to(tl.float16)))
-    scale = tl.load(s_rows + k0 // 32, mask=n_ok, other=127).to(tl.int32)  # k0 < K: the loop stops there
-    two_pow = (tl.maximum(scale, 1) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0 is 2^-126 / 2
-    two_pow = tl.where(scale == 0, two_pow * 0.5, two_pow)
-    return acc + (part * 16384.0) * two_pow[:, None]
-
-
-@triton.jit
 def _mxfp4_step(acc, a, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr,
-                FP16: tl.constexpr = False):
-    """acc += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile: acc is [BM, BN], or
-    [BN, BM] with SWAP (weights as the MMA's M operand: a few tokens fill its N side, see the module docstring).
+                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BM, BN] += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile.
 
     w_rows [BN]: pointers to each row's code bytes (K/2 a row); s_rows [BN]: to its scales (K/32)."""
-    if FP16:  # fp16 decode: weights on the MMA's M side, one MXFP4 block a step (module docstring)
-        tl.static_assert(SWAP and BLOCK_K == 32)
-        return _mxfp4_step_fp16(acc, a, w_rows, s_rows, n_ok, k0, K)
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
     sb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     # Masked (past-K or past-N) codes are 0, so their value is 0 whatever the scale: 127 = 2^0 keeps it finite.
     scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None] & (sb < K // 32)[None, :], other=127)
-    if SWAP:  # codes [BN, BLOCK_K/2]: each row's bytes contiguous, 16-byte loads along K
-        codes = tl.load(w_rows[:, None] + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
-        if DOT_SCALED:
-            acc = tl.dot_scaled(codes, scales, "e2m1", tl.trans(a), None, LHS_FMT, acc)
-        else:
-            w = tl.trans(_unpack_mxfp4(tl.trans(codes), scales, BLOCK_K, BLOCK_N))
-            acc = tl.dot(w.to(a.dtype), tl.trans(a), acc, input_precision=DOT_PREC)
-    else:  # codes [BLOCK_K/2, BN]
-        codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
-        if DOT_SCALED:
-            acc = tl.dot_scaled(a, None, LHS_FMT, codes, scales, "e2m1", acc)
-        else:
-            w = _unpack_mxfp4(codes, scales, BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
+    if DOT_SCALED:
+        acc = tl.dot_scaled(a, None, LHS_FMT, codes, scales, "e2m1", acc)
+    else:
+        w = _unpack_mxfp4(codes, scales, BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -128,8 +89,8 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
                          num_experts, hidden, inter, alpha, limit,
                          stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
                          TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr,
-                         FP16: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
+                         DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
+                         ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
@@ -147,16 +108,14 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
     gate_n = (2 * cols).to(tl.int64)
     gate_b = wb_ptr + e.to(tl.int64) * stride_wbe + gate_n * stride_wbn
     gate_s = ws_ptr + e.to(tl.int64) * stride_wse + gate_n * stride_wsn
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
         acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
-                               DOT_SCALED, LHS_FMT, DOT_PREC, SWAP, FP16)
+                               DOT_SCALED, LHS_FMT, DOT_PREC)
         acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
-                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC, SWAP, FP16)
-    if SWAP:
-        acc_gate, acc_up = tl.trans(acc_gate), tl.trans(acc_up)
+                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     _swiglu_store(acc_gate, acc_up, b1_ptr + e.to(tl.int64) * stride_be, h_ptr, stride_ht, rows, row_ok, cols, col_ok,
                   alpha, limit)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
@@ -168,9 +127,8 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
                            num_experts, hidden, inter,
                            stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr, SWAP: tl.constexpr,
-                           FP16: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
+                           DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
+                           ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted)."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
@@ -187,13 +145,10 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
     h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_ht
     w_b = wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn
     w_s = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
-    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
-        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC,
-                          SWAP, FP16)
-    if SWAP:
-        acc = tl.trans(acc)
+        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     _weighted_store(acc, b2_ptr + e.to(tl.int64) * stride_be, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
@@ -212,13 +167,10 @@ def _packed(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
 def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
-                     dot_scaled: bool | None = None, swap: bool | None = None, fp16: bool | None = None,
-                     reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
+                     dot_scaled: bool | None = None, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`peagle_kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
-    otherwise; True/False force one (tests). `swap` / `fp16`: None takes the tiles' orientation / decode, True or
-    False force one (the fp16 decode takes half-precision activations, the swapped order and 32-wide K-steps).
-    `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
+    otherwise; True/False force one (tests). `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
@@ -236,15 +188,8 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     b1, b2 = b1.contiguous(), b2.contiguous()
 
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
-    tiles = r.tiles if swap is None else dataclasses.replace(r.tiles, swap=swap)
-    if fp16 is None:
-        fp16 = tiles.fp16_decode or (DOT_MODE == "fp16" and x.dtype in _LHS_FORMATS and T <= 32)
-    if fp16:
-        if x.dtype not in _LHS_FORMATS:
-            raise ValueError(f"moe_mxfp4: the fp16 decode takes bf16 or fp16 activations, got {x.dtype}")
-        tiles = dataclasses.replace(tiles, swap=True, block_k=32)
-    # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
-    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, SWAP=tiles.swap, FP16=fp16, **r.kernel_args(),
+    tiles = r.tiles  # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
+    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
