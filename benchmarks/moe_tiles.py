@@ -24,9 +24,11 @@ import peagle_kernels.triton_moe as tm  # noqa: E402
 from peagle_core.bench import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
-# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages); the first of each list is the shipped
-# choice for T <= 32.
-MXFP4 = [(16, 32, 32, 128, 2, 4), (16, 32, 32, 128, 4, 4), (16, 64, 64, 128, 2, 4), (16, 32, 32, 256, 2, 3)]
+# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k); the first of each list is the
+# shipped choice for T <= 32.
+MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 32, 32, 128, 2, 4, 4), (16, 32, 32, 128, 2, 4, 8),
+         (16, 32, 32, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 8), (16, 32, 32, 64, 2, 4, 4),
+         (16, 32, 32, 64, 2, 6, 8), (16, 16, 16, 128, 1, 4, 4), (16, 32, 32, 256, 2, 3, 4)]
 LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
           "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
 
@@ -55,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,2,4,8,16,64,256")
     ap.add_argument("--layers", default="120b-mxfp4,20b-mxfp4,20b-bf16")
+    ap.add_argument("--max-t", type=int, default=32, help="candidates replace the tiles up to this many tokens")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -74,8 +77,8 @@ def main() -> None:
                 experts = torch.topk(x.float() @ layer.router.weight.float().T, layer.top_k).indices.unique().numel()
                 want = layer(x).float()
             nbytes = experts * expert_bytes
-            for c in (candidates if T <= 32 else candidates[:1]):
-                tm.moe_tiles = lambda n, k, mxfp4=False, c=c: tm.MoeTiles(*c) if n <= 32 else shipped(n, k, mxfp4)
+            for c in (candidates if T <= a.max_t else candidates[:1]):
+                tm.moe_tiles = lambda n, k, mxfp4=False, c=c: tm.MoeTiles(*c) if n <= a.max_t else shipped(n, k, mxfp4)
                 try:
                     with torch.no_grad():
                         err = ((layer(x).float() - want).norm() / want.norm()).item()
@@ -92,7 +95,7 @@ def main() -> None:
         del layer
         torch.cuda.empty_cache()
     (out / "moe_tiles.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages) | us | TB/s | rel. err |",
+    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages, split_k) | us | TB/s | rel. err |",
           "| --- | --- | --- | --- | --- | --- |"]
     md += [f"| {r['layer']} | {r['T']} | {r['tiles']} | {r.get('us', float('nan')):.1f} | "
            f"{r.get('tb_s', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |" for r in rows]

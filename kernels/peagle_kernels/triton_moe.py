@@ -64,14 +64,20 @@ def _expert_rows(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, ONE_TILE: tl.c
 
 
 @triton.jit
+def _swiglu(gate, up, alpha, limit):
+    """GPT-OSS's clamped SwiGLU, with the +1 on the linear branch."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+
+
+@triton.jit
 def _swiglu_store(acc_gate, acc_up, b_row, h_ptr, stride_ht, rows, row_ok, cols, col_ok, alpha, limit):
     """Up-projection epilogue: add the gate/up biases (b_row: this expert's b1, interleaved), clamp,
     SwiGLU with the +1 on the linear branch, store h at the sorted rows."""
     gate = acc_gate + tl.load(b_row + 2 * cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     up = acc_up + tl.load(b_row + 2 * cols + 1, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    h = _swiglu(gate, up, alpha, limit)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -204,6 +210,7 @@ class MoeTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # MXFP4 at decode sizes: K split over this many programs (triton_moe_mxfp4)
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:

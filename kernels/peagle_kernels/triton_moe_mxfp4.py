@@ -23,6 +23,7 @@ multiples of 32 (whole MXFP4 blocks), not of the tiles: partial K-tiles are mask
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -31,7 +32,8 @@ import triton.language as tl
 
 from peagle_kernels.dispatch import pdl_launch
 from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
-from peagle_kernels.triton_moe import _expert_rows, _swiglu_store, _weighted_store, route_and_sort, token_outputs
+from peagle_kernels.triton_moe import (_expert_rows, _swiglu, _swiglu_store, _weighted_store, route_and_sort,
+                                       token_outputs)
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
 DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
@@ -85,13 +87,15 @@ def _mxfp4_step(acc, a, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, BLOC
 
 
 @triton.jit
-def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offsets_ptr,
-                         num_experts, hidden, inter, alpha, limit,
+def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_ptr, offsets_ptr,
+                         num_experts, hidden, inter, alpha, limit, k_chunk,
                          stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
-                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         stride_ps, stride_pr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
                          ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile."""
+    """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile. With SPLIT > 1,
+    program (., ., s) sums only K-chunk s and stores its fp32 partial sums (b1 in chunk 0's) in part[s];
+    `_swiglu_finish_kernel` adds the chunks up."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
@@ -110,26 +114,33 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, order_ptr, offset
     gate_s = ws_ptr + e.to(tl.int64) * stride_wse + gate_n * stride_wsn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_begin = tl.program_id(2) * k_chunk
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, hidden), BLOCK_K):
         a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
         acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
                                DOT_SCALED, LHS_FMT, DOT_PREC)
         acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
                              BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
-    _swiglu_store(acc_gate, acc_up, b1_ptr + e.to(tl.int64) * stride_be, h_ptr, stride_ht, rows, row_ok, cols, col_ok,
-                  alpha, limit)
+    b_row = b1_ptr + e.to(tl.int64) * stride_be
+    if SPLIT == 1:
+        _swiglu_store(acc_gate, acc_up, b_row, h_ptr, stride_ht, rows, row_ok, cols, col_ok, alpha, limit)
+    else:
+        _store_partial(acc_gate, b_row + 2 * cols, part_ptr, stride_ps, stride_pr, rows, row_ok, 2 * cols, col_ok)
+        _store_partial(acc_up, b_row + 2 * cols + 1, part_ptr, stride_ps, stride_pr, rows, row_ok, 2 * cols + 1,
+                       col_ok)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
 @triton.jit
-def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, order_ptr, offsets_ptr,
-                           num_experts, hidden, inter,
+def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part_ptr, order_ptr, offsets_ptr,
+                           num_experts, hidden, inter, k_chunk,
                            stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           stride_ps, stride_pr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
                            ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted)."""
+    """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted). With SPLIT > 1, as the up
+    kernel: fp32 partial sums of K-chunk s in part[s] (b2 in chunk 0's), finished by `_scatter_finish_kernel`."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
@@ -146,10 +157,71 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, orde
     w_b = wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn
     w_s = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    k_begin = tl.program_id(2) * k_chunk
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, inter), BLOCK_K):
         a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
         acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
-    _weighted_store(acc, b2_ptr + e.to(tl.int64) * stride_be, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
+    b_row = b2_ptr + e.to(tl.int64) * stride_be
+    if SPLIT == 1:
+        _weighted_store(acc, b_row, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
+    else:
+        _store_partial(acc, b_row + cols, part_ptr, stride_ps, stride_pr, rows, row_ok, cols, col_ok)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
+
+
+@triton.jit
+def _store_partial(acc, bias_ptrs, part_ptr, stride_ps, stride_pr, rows, row_ok, cols, col_ok):
+    """part[s, rows, cols] = acc, plus the bias in K-chunk 0's partial (so the finish needs no expert ids)."""
+    split = tl.program_id(2)
+    bias = tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32) * (split == 0).to(tl.float32)
+    tl.store(part_ptr + split * stride_ps + rows[:, None].to(tl.int64) * stride_pr + cols[None, :],
+             acc + bias[None, :], mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_partials(part_ptr, stride_ps, stride_pr, rows, cols, mask, SPLIT: tl.constexpr):
+    """The K-chunks' partial sums of rows x cols, added in chunk order (deterministic)."""
+    total = tl.zeros(mask.shape, tl.float32)
+    for s in tl.static_range(SPLIT):
+        total += tl.load(part_ptr + s * stride_ps + rows[:, None].to(tl.int64) * stride_pr + cols[None, :], mask=mask,
+                         other=0.0)
+    return total
+
+
+@triton.jit
+def _swiglu_finish_kernel(part_ptr, h_ptr, num_rows, inter, alpha, limit, stride_ps, stride_pr, stride_ht,
+                          SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
+    """h[row, c] = clamped-SwiGLU of the up projection's K-chunks summed (gate at 2c, up at 2c + 1)."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < num_rows)[:, None] & (cols < inter)[None, :]
+    gate = _sum_partials(part_ptr, stride_ps, stride_pr, rows, 2 * cols, mask, SPLIT)
+    up = _sum_partials(part_ptr, stride_ps, stride_pr, rows, 2 * cols + 1, mask, SPLIT)
+    h = _swiglu(gate, up, alpha, limit)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
+
+
+@triton.jit
+def _scatter_finish_kernel(part_ptr, gates_ptr, order_ptr, y_ptr, num_rows, hidden, stride_ps, stride_pr, stride_yt,
+                           SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    """y[pair] = gate * (the down projection's K-chunks summed), at each sorted row's own pair (un-permuting)."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (cols < hidden)[None, :]
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    gate = tl.load(gates_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    y = _sum_partials(part_ptr, stride_ps, stride_pr, rows, cols, mask, SPLIT) * gate[:, None]
+    tl.store(y_ptr + pair[:, None].to(tl.int64) * stride_yt + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
@@ -167,10 +239,12 @@ def _packed(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
 def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
-                     dot_scaled: bool | None = None, reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
+                     dot_scaled: bool | None = None, split_k: int | None = None, reduce: bool = True,
+                     routing: Routing | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`peagle_kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
-    otherwise; True/False force one (tests). `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
+    otherwise; True/False force one (tests). `split_k`: None takes the tiles' (`MoeTiles.split_k`), a number
+    forces it. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
@@ -188,22 +262,38 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     b1, b2 = b1.contiguous(), b2.contiguous()
 
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
-    tiles = r.tiles  # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
+    tiles = r.tiles if split_k is None else dataclasses.replace(r.tiles, split_k=split_k)
+    # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
     common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
-    h = torch.empty(T * top_k, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
-    _moe_mxfp4_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n))](
-        x, w1_blocks, w1_scales, b1, h, r.order, r.offsets, E, H, inter, float(alpha), float(limit),
-        x.stride(0), w1_blocks.stride(0), w1_blocks.stride(1), w1_scales.stride(0), w1_scales.stride(1),
-        b1.stride(0), h.stride(0), TOP_K=top_k, BLOCK_N=tiles.up_n, **common)
+    rows = T * top_k
+    split = tiles.split_k
+    h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
+    y = torch.empty(rows, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
+    # K split over `split` programs (decode sizes): fp32 partial sums, K-chunks whole BLOCK_K steps
+    part = torch.empty(split, rows, max(2 * inter, H), device=x.device, dtype=torch.float32) if split > 1 else y
+    finish = dict(BLOCK_R=min(16, triton.next_power_of_2(rows)), BLOCK_C=128, SPLIT=split, num_warps=4,
+                  **pdl_launch(x))
+    chunk = lambda k: triton.cdiv(triton.cdiv(k, tiles.block_k), split) * tiles.block_k  # noqa: E731
 
-    y = torch.empty(T * top_k, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
-    _moe_mxfp4_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n))](
-        h, w2_blocks, w2_scales, b2, r.gates, y, r.order, r.offsets, E, H, inter,
+    _moe_mxfp4_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n), split)](
+        x, w1_blocks, w1_scales, b1, h, part, r.order, r.offsets, E, H, inter, float(alpha), float(limit), chunk(H),
+        x.stride(0), w1_blocks.stride(0), w1_blocks.stride(1), w1_scales.stride(0), w1_scales.stride(1),
+        b1.stride(0), h.stride(0), part.stride(0), part.stride(1), SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n,
+        **common)
+    if split > 1:
+        _swiglu_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(inter, finish["BLOCK_C"]))](
+            part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0), **finish)
+
+    _moe_mxfp4_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n), split)](
+        h, w2_blocks, w2_scales, b2, r.gates, y, part, r.order, r.offsets, E, H, inter, chunk(inter),
         h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
-        b2.stride(0), y.stride(0), BLOCK_N=tiles.down_n, **common)
+        b2.stride(0), y.stride(0), part.stride(0), part.stride(1), SPLIT=split, BLOCK_N=tiles.down_n, **common)
+    if split > 1:
+        _scatter_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(H, finish["BLOCK_C"]))](
+            part, r.gates, r.order, y, rows, H, part.stride(0), part.stride(1), y.stride(0), **finish)
     return token_outputs(y, T, top_k, reduce)
 
 
