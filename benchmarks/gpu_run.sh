@@ -137,7 +137,7 @@ case "${1:-}" in
     timeout "${SKINNY_TIMEOUT:-150}" python3 benchmarks/skinny_linear.py --out "$OUT" 2>&1 | tail -n 12
     ;;
   moe-tiles)  # one GPU: MoE launch shapes by token count (docs/benchmarks/moe_tiles.*), the MXFP4 GPU tests
-    timeout 330 python3 benchmarks/moe_tiles.py --out "$OUT" > /tmp/moe_tiles.log 2>&1; tail -n 25 /tmp/moe_tiles.log
+    timeout 330 python3 benchmarks/moe_tiles.py --out "$OUT" ${MOE_ARGS:-} > /tmp/moe_tiles.log 2>&1; tail -n 25 /tmp/moe_tiles.log
     timeout 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py 2>&1 | tail -n 5
     ;;
   pair-tp)  # two H200s: the tiny pair's heads (one GPU each), then TP=1 vs TP=2 at the 20B shape
