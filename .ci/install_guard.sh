@@ -11,6 +11,7 @@ py="$work/venv/bin/python"
 pip() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
 pip torch==2.13.0                      # the CPU wheel, before anything can pull a CUDA build
 pip transformers kernels
+rm -rf "$repo/build"                    # setuptools builds in the tree: no stale files in the wheel
 pip "$repo"                             # non-editable: a wheel into site-packages
 check='
 import kernels, transformers, torch

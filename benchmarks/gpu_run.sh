@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_run.sh gpu-tests # one H200: every GPU test (bench runs them under a 280 s cut)
 #   bash benchmarks/gpu_run.sh ab        # one H200: decode-step profiles of this tree against an earlier commit's
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
-#   bash benchmarks/gpu_run.sh moe-tiles # one H200: MoE launch shapes at decode sizes
+#   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
+#   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
 #   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
@@ -135,6 +136,13 @@ case "${1:-}" in
     ;;
   skinny)  # one H200: the attention projections at decode sizes, cuBLAS against the skinny Triton GEMM's launch shapes
     timeout "${SKINNY_TIMEOUT:-150}" python3 benchmarks/skinny_linear.py --out "$OUT" 2>&1 | tail -n 12
+    ;;
+  mxfp4)  # one GPU: the MXFP4 GPU tests, `peagle bench` (20B bf16 and MXFP4, 120B MXFP4), the MoE layer by tiles
+    timeout 120 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py 2>&1 | tail -n 3
+    timeout 330 python3 -m peagle_core.cli bench --shape 20b --device cuda --skip-hf --out "$OUT/bench" \
+      > /tmp/bench.log 2>&1; tail -n 24 /tmp/bench.log
+    timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 256 --layers 120b-mxfp4,20b-mxfp4 \
+      > /tmp/moe_tiles.log 2>&1; tail -n 16 /tmp/moe_tiles.log
     ;;
   moe-tiles)  # one GPU: MoE launch shapes by token count (docs/benchmarks/moe_tiles.*), the MXFP4 GPU tests
     timeout 330 python3 benchmarks/moe_tiles.py --out "$OUT" ${MOE_ARGS:-} > /tmp/moe_tiles.log 2>&1; tail -n 25 /tmp/moe_tiles.log

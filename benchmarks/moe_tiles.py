@@ -21,36 +21,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle_kernels.triton_moe as tm  # noqa: E402
-from peagle_core.bench import build_random, target_config  # noqa: E402
+from peagle_core.bench import build_random, target_config, time_graph  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
-# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k); the first of each list is the
-# shipped choice for T <= 32.
-MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 32, 32, 128, 2, 4, 4), (16, 32, 32, 128, 2, 4, 8),
-         (16, 32, 32, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 8), (16, 32, 32, 64, 2, 4, 4),
-         (16, 32, 32, 64, 2, 6, 8), (16, 16, 16, 128, 1, 4, 4), (16, 32, 32, 256, 2, 3, 4)]
+# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k); the first of each list is what
+# `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second).
+MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 64, 64, 128, 4, 4, 1), (32, 32, 32, 128, 2, 4, 1),
+         (64, 64, 128, 64, 4, 3, 1)]
 LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
           "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
-
-
-def time_graph(fn, reps: int = 20, trials: int = 5) -> float:
-    """Microseconds per call: `reps` calls captured in one graph, best of `trials` replays."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    best = float("inf")
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps)
-    return best
 
 
 def main() -> None:

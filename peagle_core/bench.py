@@ -14,8 +14,10 @@ steps replay CUDA graphs (captured in the warm-up) unless `--eager`:
              K slots) and a 1-layer EAGLE-3 head (K sequential passes), K = 1..7, bs 1
   hf         `transformers` GptOssForCausalLM built from the same weights (eager attention), greedy
              generation at bs 1; doubles as a correctness check (same greedy tokens as our engine)
-  120b       the bs-1 decode figures at the 120B shape; bf16 experts (MXFP4 kernels do not exist yet), so
-             a depth-truncated model is timed at two depths and extrapolated linearly (reported as such)
+  mxfp4      what users serve: the 20B and 120B shapes with their MXFP4 experts kept packed. bs-1 decode
+             (a depth-truncated model timed at two depths and extrapolated if the whole one does not fit,
+             reported as such), verify k = 1..7 against its touched-bytes roofline, and the MoE layer alone
+             at 1-256 routed tokens (us, and TB/s over the bytes of the experts those tokens select)
 
 Writes `summary.json` (after every section, so a run cut short keeps what it measured) and `summary.md`.
 """
@@ -66,7 +68,16 @@ BARS = [
     ("verify_k7_over_decode_bs1", "<=", 1.30, "<= 1.3 (verify k=7 over a plain decode step)"),
     ("speedup_vs_hf_transformers_bs1", ">=", 10.0, ">= 10x transformers eager (there: 33 tok/s)"),
     ("draft_time_ratio_k7_over_k1_eagle3", None, None, "none (EAGLE-3 grows ~linearly in K)"),
+    # MXFP4 experts, as users serve GPT-OSS (bars on any GPU, as fractions of its own roofline)
+    ("decode_bs1_roofline_fraction_120b_mxfp4", ">=", 0.50, ">= 0.50 of the 120B MXFP4 roofline (aim 0.65)"),
+    ("decode_bs1_roofline_fraction_20b_mxfp4", ">=", 0.50, ">= 0.50 of the 20B MXFP4 roofline"),
+    ("moe_mxfp4_tb_s_1_tokens_120b", ">=", 2.5, ">= 2.5 TB/s effective, 120B MoE layer, 1 token"),
+    ("moe_mxfp4_tb_s_8_tokens_120b", ">=", 2.5, ">= 2.5 TB/s effective, 120B MoE layer, 8 tokens"),
+    ("verify_k7_roofline_fraction_120b", ">=", 0.50, ">= 0.50 of its touched-bytes roofline (120B, k = 7)"),
+    ("spec_c1_speedup_120b", ">=", 1.3, ">= 1.3 (best speculative mode over none, 120B, concurrency 1)"),
 ]
+MXFP4_KEYS = {key for key, *_ in BARS if key.endswith(("_mxfp4", "_120b"))}
+MOE_TOKENS = (1, 2, 4, 8, 16, 64, 256)  # routed tokens for the MoE layer alone (CUDA; 1 and 8 on a CPU)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,6 +238,27 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int
 # ------------------------------------------------------------------------------------------------
 # Bandwidth and the bytes a decode step must read
 # ------------------------------------------------------------------------------------------------
+
+
+def time_graph(fn: Callable[[], Any], reps: int = 20, trials: int = 5) -> float:
+    """Microseconds per call of a short CUDA op: `reps` calls captured in one CUDA graph (launch costs as in the
+    engine's graphs), best of `trials` replays timed with CUDA events."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    best = float("inf")
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
 
 
 def measure_bandwidth(device: torch.device, nbytes: int, warmup: int, iters: int) -> dict[str, float]:
@@ -667,9 +699,8 @@ class Bench:
         triton_on = use_triton(probe)
         self.graphs = graphs_supported(self.device, args.eager)  # the engine's rule; --eager turns them off
         primary = args.shape != "120b"
-        big = args.shape == "120b" or not args.skip_120b
         sections = (1 + (3 if primary else 0) + (0 if args.skip_draft or not primary else 1)
-                    + (0 if args.skip_hf or not primary else 1) + (1 if big else 0))
+                    + (0 if args.skip_hf or not primary else 1) + len(self.packed_shapes()))
         self.log = Log(sections)
         self.summary: dict[str, Any] = {
             "status": "running", "command": _command(args), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(
@@ -698,12 +729,14 @@ class Bench:
             self.primary()
         else:
             s["note"] = "--shape 120b: only the 120B bs-1 decode figures; the 20B keys are null"
-        if a.shape == "120b" or not a.skip_120b:
-            self.log.section("120B-shaped decode at bs 1")
-            self.guarded("gpt_oss_120b", lambda: s.update(gpt_oss_120b=self.big_shape()))
+        for shape, key in self.packed_shapes():
+            self.log.section(f"{shape}-shaped model with packed MXFP4 experts")
+            self.guarded(key, lambda: s.update({key: self.packed_shape(shape)}))
             self.write()
-        else:
+        if a.shape != "120b" and a.skip_120b:
             s["gpt_oss_120b"] = {"not_run": "skipped with --skip-120b"}
+        s["spec_c1_speedup_120b_note"] = ("not measured by `peagle bench`: it needs the engine with replayed "
+                                          "acceptance at the 120B shape (benchmarks/adaptive_sweep.py)")
         s["status"] = "complete"
         self.write()
         self.log(f"wrote {self.out / 'summary.json'} and {self.out / 'summary.md'}")
@@ -912,11 +945,55 @@ class Bench:
 
     # --------------------------------------------------------------------------------------------
 
-    def big_shape(self) -> dict[str, Any]:
-        """bs-1 decode at the 120B shape with MXFP4 experts kept packed (as the engine loads the published
-        checkpoint on CUDA): the whole model if it fits, else truncated depth + extrapolation."""
+    def packed_shapes(self) -> list[tuple[str, str]]:
+        """(shape, summary key) of the MXFP4 sections this run has: 20B and 120B (tiny: its 120B-like shape)."""
+        a = self.args
+        if a.shape == "tiny":
+            return [] if a.skip_120b else [("tiny-120b", "gpt_oss_120b")]
+        shapes = [("20b", "gpt_oss_20b_mxfp4")] if a.shape == "20b" else []
+        return shapes + ([] if a.shape != "120b" and a.skip_120b else [("120b", "gpt_oss_120b")])
+
+    def packed_shape(self, shape: str) -> dict[str, Any]:
+        """The model as users serve it, MXFP4 experts kept packed (as the engine loads the published checkpoint on
+        CUDA): bs-1 decode (the whole model if it fits, else truncated depth + extrapolation), verify k = 1..max_k
+        when the whole model fits, and the MoE layer alone."""
+        s = self.summary
+        res = self._packed_decode(shape)
+        suffix = {"120b": "120b", "tiny-120b": "120b", "20b": "20b"}[shape]
+        s[f"decode_bs1_roofline_fraction_{suffix}_mxfp4"] = res.get("roofline_fraction")
+        res["moe_layer"] = self._moe_layer(shape)
+        if suffix == "120b":
+            for n in (1, 8):
+                s[f"moe_mxfp4_tb_s_{n}_tokens_120b"] = (res["moe_layer"].get(str(n)) or {}).get("tb_s")
+            s["verify_k7_roofline_fraction_120b"] = (res.get("verify", {}).get("7") or {}).get("roofline_fraction")
+        return res
+
+    def _moe_layer(self, shape: str) -> dict[str, Any]:
+        """One MoE layer with packed experts, random weights, T random tokens routed top-k: us per call (CUDA: 20
+        calls in a CUDA graph, as the engine launches them) and TB/s over the bytes of the experts selected."""
+        from peagle_core.models.gpt_oss import MoE
+
+        dev, dt = self.device, self.dtype
+        cfg = target_config(shape)
+        layer = build_random(lambda: MoE(cfg, mxfp4_experts=True), dev, dt, self.args.seed + 21)
+        E = layer.router.weight.shape[0]
+        expert_bytes = sum(p.numel() * p.element_size() for p in layer.experts.parameters()) / E
+        g = torch.Generator(device=dev).manual_seed(self.args.seed + 22)
+        out: dict[str, Any] = {}
+        with torch.inference_mode():
+            for T in (MOE_TOKENS if dev.type == "cuda" else (1, 8)):
+                x = torch.randn(T, cfg.hidden_size, device=dev, generator=g).to(dt)
+                experts = torch.topk(x.float() @ layer.router.weight.float().T, layer.top_k).indices.unique().numel()
+                us = (time_graph(lambda: layer(x)) if dev.type == "cuda" else self.time(lambda: layer(x)).median_ms * 1e3)
+                out[str(T)] = {"us": us, "experts": experts, "bytes": experts * expert_bytes,
+                               "tb_s": experts * expert_bytes / us / 1e6}
+                self.log(f"{shape} MoE layer, {T} tokens: {us:.1f} us, {experts} experts, {out[str(T)]['tb_s']:.2f} TB/s")
+        del layer
+        free_memory(dev)
+        return out
+
+    def _packed_decode(self, shape: str) -> dict[str, Any]:
         a, r, dev, dt = self.args, self.r, self.device, self.dtype
-        shape = "120b" if a.shape != "tiny" else "tiny-120b"
         full_cfg = target_config(shape)
         L = full_cfg.num_hidden_layers
         full = meta_model(full_cfg, dt, mxfp4_experts=True)
@@ -929,7 +1006,7 @@ class Bench:
                                "bytes_per_step_bs1": full_bytes.as_dict(),
                                "bytes_per_step_bs1_bf16_experts": decode_step_bytes(
                                    meta_model(full_cfg, dt), r["context"], 1).total}
-        layout = Layout.for_run(r["context"], 1, 1)
+        layout = Layout.for_run(r["context"], r["max_k"], 1)
         kv_per_layer = 2 * full_cfg.num_key_value_heads * full_cfg.head_dim * dt.itemsize * layout.max_model_len
         budget = available_bytes(dev) * 0.85 - fixed - (2 * 2**30 if dev.type == "cuda" else 0)
         fits = int(budget // (per_layer + kv_per_layer)) if budget > 0 else 0
@@ -953,7 +1030,7 @@ class Bench:
                      f"({(fixed + depth * per_layer) / 1e9:.1f} GB; {fits} estimated to fit)")
             oom = False
             try:
-                measured, truncated_bytes = self._time_depths(full_cfg, depth, layout)
+                measured, truncated_bytes, verify = self._time_depths(full_cfg, depth, layout)
             except torch.OutOfMemoryError:
                 oom = True  # handled outside the except block, once the traceback's frames are gone
             if not oom:
@@ -978,14 +1055,18 @@ class Bench:
         res.update(layers_run=depth, measured_step_ms=measured, step_ms=step_ms, tok_s=1e3 / step_ms,
                    roofline_ms=full_bytes.total / bw * 1e3,
                    roofline_fraction=full_bytes.total / bw / (step_ms * 1e-3))
+        if verify:
+            res["verify"] = verify
         self.log(f"{shape}: {step_ms:.3f} ms/step ({res['tok_s']:.1f} tok/s) "
                  f"{'extrapolated' if res['truncated'] else 'measured'}; roofline fraction {res['roofline_fraction']:.3f}")
         return res
 
-    def _time_depths(self, full_cfg: GptOssConfig, depth: int, layout: Layout) -> tuple[dict[str, float], int]:
-        """bs-1 decode step (ms) of a `depth`-layer model and, when truncated, of its first depth // 2 layers.
+    def _time_depths(self, full_cfg: GptOssConfig, depth: int,
+                     layout: Layout) -> tuple[dict[str, float], int, dict[str, Any]]:
+        """bs-1 decode step (ms) of a `depth`-layer model and, when truncated, of its first depth // 2 layers; when
+        whole, its verify steps k = 1..max_k against their touched-bytes roofline.
 
-        Returns ({layers: step ms}, bytes per step of the model as built).
+        Returns ({layers: step ms}, bytes per step of the model as built, {k: verify figures} or {}).
         """
         a, r, dev, dt = self.args, self.r, self.device, self.dtype
         cfg = full_cfg.model_copy(update={"num_hidden_layers": depth, "layer_types": None})
@@ -1005,9 +1086,31 @@ class Bench:
                 finally:
                     target.model.layers = layers
         nbytes = decode_step_bytes(target, r["context"], 1).total
-        del runner, target
+        del runner
+        release_caches(target)
+        verify = self._verify(target, layout, measured[str(depth)]) if depth == full_cfg.num_hidden_layers else {}
+        del target
         free_memory(dev)
-        return measured, nbytes
+        return measured, nbytes, verify
+
+    def _verify(self, target: GptOss, layout: Layout, decode_ms: float) -> dict[str, Any]:
+        """Verify steps at bs 1 (target over 1 + k tokens, rejection sampling), k = 1..max_k, each against the
+        bytes its tokens must read (more tokens route to more experts)."""
+        a, r, dev, dt = self.args, self.r, self.device, self.dtype
+        bw = self.summary["bandwidth"]["tb_s"] * 1e12
+        runner = make_runner(target, None, "none", r["max_k"], 1, layout, dev, dt, a.seed + 14, self.graphs)
+        out = {}
+        with torch.inference_mode():
+            for k in range(1, r["max_k"] + 1):
+                batch = synthetic_batch(1, k, layout, target.config.vocab_size, a.seed + 200 + k)
+                t = self.time(lambda: runner.execute(batch))
+                nbytes = decode_step_bytes(target, r["context"], 1, tokens_per_req=1 + k).total
+                out[str(k)] = {"step_ms": t.median_ms, "over_decode_bs1": t.median_ms / decode_ms, "bytes": nbytes,
+                               "roofline_ms": nbytes / bw * 1e3, "roofline_fraction": nbytes / bw / (t.median_ms * 1e-3)}
+                self.log(f"verify k={k}: {t.median_ms:.3f} ms, roofline fraction {out[str(k)]['roofline_fraction']:.3f}")
+        del runner
+        release_caches(target)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1016,15 +1119,18 @@ class Bench:
 
 
 def bar_rows(s: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each figure with its bar and whether it is met (the bar applies to the 20B shape on a GPU)."""
-    applies = s.get("settings", {}).get("shape") == "20b" and s.get("machine", {}).get("device_type") == "cuda"
+    """Each figure with its bar and whether it is met: the bf16 bars apply to the 20B shape on a GPU, the MXFP4
+    ones on any GPU (fractions of its own roofline)."""
+    cuda = s.get("machine", {}).get("device_type") == "cuda"
+    bf16_applies = cuda and s.get("settings", {}).get("shape") == "20b"
     rows = []
     for key, op, thr, text in BARS:
         v = s.get(key)
         met = None
         if v is not None and op is not None:
             met = v >= thr if op == ">=" else v <= thr
-        rows.append({"key": key, "figure": v, "bar": text, "met": met, "bar_applies": applies})
+        rows.append({"key": key, "figure": v, "bar": text, "met": met,
+                     "bar_applies": cuda if key in MXFP4_KEYS else bf16_applies})
     return rows
 
 
@@ -1155,28 +1261,44 @@ def render_markdown(s: dict[str, Any]) -> str:
     elif hf:
         out += ["## transformers baseline", "", f"Not run: {hf['not_run']}.", ""]
 
-    big = s.get("gpt_oss_120b")
-    if big:
-        out += ["## 120B shape, decode at bs 1", ""]
-        if "not_run" in big:
-            out += [f"Not run: {big['not_run']}.", ""]
-        if big.get("note"):
-            out += [big["note"] + ".", ""]
-        if "step_ms" in big:
-            if big.get("truncated"):
-                out += [f"**Truncated**: {big['layers_run']} of {big['layers_full']} layers built; {big['method']}.", ""]
-            out += [_table(["quantity", "value"], [
-                ["step ms (bs 1)" + (" extrapolated" if big.get("truncated") else ""), big["step_ms"]],
-                ["tok/s", _f(big["tok_s"], 1)],
-                ["measured step ms by depth", ", ".join(f"{d} layers: {t:.3f}" for d, t in big["measured_step_ms"].items())],
-                ["bytes per step (GB)", big["bytes_per_step_bs1"]["total"] / 1e9],
-                ["roofline ms", big["roofline_ms"]],
-                ["roofline fraction", big["roofline_fraction"]],
-                ["roofline fraction of the truncated model as run", big.get("truncated_roofline_fraction")],
-                ["experts", big.get("experts_dtype")],
-                ["bytes per step with bf16 experts instead (GB)", (big.get("bytes_per_step_bs1_bf16_experts") or 0) / 1e9],
-            ]), ""]
+    for key, name in (("gpt_oss_20b_mxfp4", "20B"), ("gpt_oss_120b", "120B")):
+        out += _packed_section(s.get(key), name)
     return "\n".join(out)
+
+
+def _packed_section(big: dict[str, Any] | None, name: str) -> list[str]:
+    """A packed-MXFP4 shape's decode, verify and MoE-layer figures."""
+    if not big:
+        return []
+    out = [f"## {name} shape with MXFP4 experts: decode at bs 1", ""]
+    if "not_run" in big:
+        out += [f"Not run: {big['not_run']}.", ""]
+    if big.get("note"):
+        out += [big["note"] + ".", ""]
+    if "step_ms" in big:
+        if big.get("truncated"):
+            out += [f"**Truncated**: {big['layers_run']} of {big['layers_full']} layers built; {big['method']}.", ""]
+        out += [_table(["quantity", "value"], [
+            ["step ms (bs 1)" + (" extrapolated" if big.get("truncated") else ""), big["step_ms"]],
+            ["tok/s", _f(big["tok_s"], 1)],
+            ["measured step ms by depth", ", ".join(f"{d} layers: {t:.3f}" for d, t in big["measured_step_ms"].items())],
+            ["bytes per step (GB)", big["bytes_per_step_bs1"]["total"] / 1e9],
+            ["roofline ms", big["roofline_ms"]],
+            ["roofline fraction", big["roofline_fraction"]],
+            ["roofline fraction of the truncated model as run", big.get("truncated_roofline_fraction")],
+            ["experts", big.get("experts_dtype")],
+            ["bytes per step with bf16 experts instead (GB)", (big.get("bytes_per_step_bs1_bf16_experts") or 0) / 1e9],
+        ]), ""]
+    if big.get("verify"):
+        out += [f"### {name}: verify at bs 1 (target over 1 + k tokens)", "",
+                _table(["k", "step ms", "x decode", "bytes (GB)", "roofline fraction"],
+                       [[k, v["step_ms"], v["over_decode_bs1"], v["bytes"] / 1e9, v["roofline_fraction"]]
+                        for k, v in big["verify"].items()]), ""]
+    if big.get("moe_layer"):
+        out += [f"### {name}: the MoE layer alone", "",
+                _table(["routed tokens", "us", "experts read", "TB/s effective"],
+                       [[t, v["us"], v["experts"], v["tb_s"]] for t, v in big["moe_layer"].items()]), ""]
+    return out
 
 
 def _bar_section(s: dict[str, Any]) -> list[str]:
@@ -1196,10 +1318,11 @@ def render_brief(s: dict[str, Any]) -> str:
     out = _bar_section(s)
     if s.get("decode_tok_s"):
         out.append("decode tok/s by batch: " + ", ".join(f"bs {b}: {v:.1f}" for b, v in s["decode_tok_s"].items()))
-    big = s.get("gpt_oss_120b") or {}
-    if "step_ms" in big:
-        out.append(f"120B bs 1: {big['tok_s']:.1f} tok/s, roofline fraction {big['roofline_fraction']:.3f}"
-                   + (f" (truncated to {big['layers_run']} layers, extrapolated)" if big.get("truncated") else ""))
-    elif big:
-        out.append(f"120B: not run ({big.get('not_run')})")
+    for key, name in (("gpt_oss_20b_mxfp4", "20B MXFP4"), ("gpt_oss_120b", "120B MXFP4")):
+        big = s.get(key) or {}
+        if "step_ms" in big:
+            out.append(f"{name} bs 1: {big['tok_s']:.1f} tok/s, roofline fraction {big['roofline_fraction']:.3f}"
+                       + (f" (truncated to {big['layers_run']} layers, extrapolated)" if big.get("truncated") else ""))
+        elif big:
+            out.append(f"{name}: not run ({big.get('not_run')})")
     return "\n".join(out)

@@ -193,16 +193,24 @@ def test_bench_run_with_the_transformers_comparison(tmp_path):
     assert s["gpt_oss_120b"] == {"not_run": "skipped with --skip-120b"} and "not_run" in s["draft"]
 
 
-def test_big_shape_full_depth_and_not_run(tmp_path):
+def test_packed_shape_full_depth_and_not_run(tmp_path):
     b = bench.Bench(parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--layers", "1"]),
-                    bench._resolve(parse(["--shape", "tiny", "--device", "cpu"])), tmp_path)
+                    bench._resolve(parse(["--shape", "tiny", "--device", "cpu", "--max-k", "2"])), tmp_path)
     b.summary["bandwidth"] = {"tb_s": 1.0}
-    assert "at least 2 layers" in b.big_shape()["not_run"]
+    assert "at least 2 layers" in b._packed_decode("tiny-120b")["not_run"]
     b.args.layers = 0
-    assert b.big_shape()["not_run"] == "skipped with --layers 0"
+    assert b._packed_decode("tiny-120b")["not_run"] == "skipped with --layers 0"
     b.args.layers, b.r["iters"], b.r["warmup"] = 9, 1, 0
-    full = b.big_shape()
+    full = b.packed_shape("tiny-120b")
     assert full["truncated"] is False and full["layers_run"] == 9 and positive(full["tok_s"])
+    # the whole model: verify k = 1..max_k against more bytes than a decode step, and the MoE layer alone
+    assert list(full["verify"]) == ["1", "2"] and full["verify"]["2"]["bytes"] > full["verify"]["1"]["bytes"]
+    assert all(positive(v["roofline_fraction"]) for v in full["verify"].values())
+    assert list(full["moe_layer"]) == ["1", "8"] and all(positive(v["tb_s"]) for v in full["moe_layer"].values())
+    s = b.summary
+    assert s["decode_bs1_roofline_fraction_120b_mxfp4"] == full["roofline_fraction"]
+    assert s["moe_mxfp4_tb_s_8_tokens_120b"] == full["moe_layer"]["8"]["tb_s"]
+    assert s["verify_k7_roofline_fraction_120b"] is None  # max_k 2: no k = 7 figure, not a made-up one
 
 
 def test_measure_takes_the_median_after_warmup():
@@ -254,20 +262,20 @@ def test_a_failing_optional_section_is_recorded_and_the_run_completes(tmp_path, 
     assert "Not run: failed: RuntimeError: boom" in (tmp_path / "summary.md").read_text()
 
 
-def test_big_shape_retries_shallower_after_running_out_of_memory(tmp_path, monkeypatch):
+def test_packed_decode_retries_shallower_after_running_out_of_memory(tmp_path, monkeypatch):
     tried = []
 
     def fake(self, full_cfg, depth, layout):
         tried.append(depth)
         if depth > 4:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return {str(depth): 10.0, str(depth // 2): 6.0}, 1000
+        return {str(depth): 10.0, str(depth // 2): 6.0}, 1000, {}
 
     monkeypatch.setattr(bench.Bench, "_time_depths", fake)
     b = bench.Bench(parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--layers", "6"]),
                     bench._resolve(parse(["--shape", "tiny", "--device", "cpu"])), tmp_path)
     b.summary["bandwidth"] = {"tb_s": 1.0}
-    res = b.big_shape()
+    res = b._packed_decode("tiny-120b")
     assert tried == [6, 4]
     assert res["layers_run"] == 4 and res["truncated"] is True
     assert res["step_ms"] == pytest.approx(10.0 + 5 * (10.0 - 6.0) / 2)  # 9 layers: 5 more at 2 ms each

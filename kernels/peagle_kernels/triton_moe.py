@@ -214,11 +214,11 @@ class MoeTiles:
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
-    if mxfp4 and num_tokens <= 16:
-        # Packed experts decode their weights in registers: at 16 rows (T = 1 and 8 measured on an H200 at the
-        # 120B shape, docs/benchmarks/moe_tiles.md) two warps with 32-wide N tiles ran a layer 13% (T = 1)
-        # and 25% (T = 8) faster than the bf16 tiles below, over two runs.
-        return MoeTiles(16, 32, 32, 128, 2, 4)
+    if mxfp4 and num_tokens <= 64:
+        # Packed experts, measured on an H100 at the 120B and 20B shapes (docs/benchmarks/moe_tiles.md): two warps
+        # and 32-wide N tiles through 64 tokens (1.36-1.47x the grouped tiles below at 64), K split in two at one
+        # token (18-20% faster: twice the programs in flight; no gain from 2 tokens up).
+        return MoeTiles(16, 32, 32, 128, 2, 4, split_k=2 if num_tokens == 1 else 1)
     if num_tokens <= 32:
         # An expert gets at most one row per token, so BLOCK_M >= T makes each selected expert a
         # single M-tile: its weights stream from memory once (GEMV-like, bandwidth-bound).
