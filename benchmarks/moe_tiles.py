@@ -24,11 +24,10 @@ import peagle_kernels.triton_moe as tm  # noqa: E402
 from peagle_core.bench import build_random, target_config, time_graph  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
-# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k, prefetch); the first of each
-# list is what `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second).
-MXFP4 = [(16, 32, 32, 128, 2, 4, 1, False), (16, 32, 32, 128, 2, 4, 2, False), (16, 32, 32, 128, 2, 4, 1, True),
-         (16, 32, 32, 128, 2, 4, 2, True), (16, 32, 32, 256, 2, 4, 1, True), (16, 64, 64, 128, 4, 4, 1, True),
-         (16, 32, 32, 64, 2, 4, 2, True), (64, 64, 128, 64, 4, 3, 1, False)]
+# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k); the first of each list is what
+# `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second).
+MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 64, 64, 128, 4, 4, 1), (32, 32, 32, 128, 2, 4, 1),
+         (64, 64, 128, 64, 4, 3, 1)]
 LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
           "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
 
@@ -75,7 +74,7 @@ def main() -> None:
         del layer
         torch.cuda.empty_cache()
     (out / "moe_tiles.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages, split_k, prefetch) | us | TB/s | rel. err |",
+    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages, split_k) | us | TB/s | rel. err |",
           "| --- | --- | --- | --- | --- | --- |"]
     md += [f"| {r['layer']} | {r['T']} | {r['tiles']} | {r.get('us', float('nan')):.1f} | "
            f"{r.get('tb_s', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |" for r in rows]

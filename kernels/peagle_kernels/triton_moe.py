@@ -211,7 +211,6 @@ class MoeTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1  # MXFP4 at decode sizes: K split over this many programs (triton_moe_mxfp4)
-    prefetch: bool = False  # MXFP4: each K-step's packed tile loaded one step ahead (triton_moe_mxfp4)
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:

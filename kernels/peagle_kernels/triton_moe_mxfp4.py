@@ -68,23 +68,16 @@ def _unpack_mxfp4(codes, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_load(w_rows, s_rows, n_ok, k0, k_end, BLOCK_K: tl.constexpr):
-    """The packed tile W[n, k0:k0 + BLOCK_K] of this tile's rows n: codes [BLOCK_K/2, BN] and scales [BN, BLOCK_K/32].
-    Nothing at or past k_end (a multiple of 32: the end of K or of this program's K-chunk) is read.
+def _mxfp4_step(acc, a, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BM, BN] += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile.
 
     w_rows [BN]: pointers to each row's code bytes (K/2 a row); s_rows [BN]: to its scales (K/32)."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < k_end // 2)[:, None] & n_ok[None, :], other=0)
+    codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
     sb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     # Masked (past-K or past-N) codes are 0, so their value is 0 whatever the scale: 127 = 2^0 keeps it finite.
-    scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None] & (sb < k_end // 32)[None, :], other=127)
-    return codes, scales
-
-
-@triton.jit
-def _mxfp4_dot(acc, a, codes, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT_SCALED: tl.constexpr,
-               LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc [BM, BN] += a [BM, BLOCK_K] @ the packed tile (`_mxfp4_load`), expanded in registers."""
+    scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None] & (sb < K // 32)[None, :], other=127)
     if DOT_SCALED:
         acc = tl.dot_scaled(a, None, LHS_FMT, codes, scales, "e2m1", acc)
     else:
@@ -94,20 +87,12 @@ def _mxfp4_dot(acc, a, codes, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _load_k(rows_ptr, row_ok, k0, k_end, BLOCK_K: tl.constexpr):
-    """Activations [BM, BLOCK_K] at K offsets k0.. of the rows `rows_ptr` [BM, 1] points at (zero past k_end)."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(rows_ptr + ks[None, :], mask=row_ok[:, None] & (ks < k_end)[None, :], other=0.0)
-
-
-@triton.jit
 def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_ptr, offsets_ptr,
                          num_experts, hidden, inter, alpha, limit, k_chunk,
                          stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
                          stride_ps, stride_pr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         PREFETCH: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr,
-                         USE_PDL: tl.constexpr = False):
+                         ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile. With SPLIT > 1,
     program (., ., s) sums only K-chunk s and stores its fp32 partial sums (b1 in chunk 0's) in part[s];
     `_swiglu_finish_kernel` adds the chunks up."""
@@ -121,6 +106,7 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_p
     token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # SwiGLU channels c: W1 rows 2c (gate), 2c+1 (up)
     col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
 
     x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_xt
     gate_n = (2 * cols).to(tl.int64)
@@ -129,26 +115,12 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_p
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = tl.program_id(2) * k_chunk
-    k_end = tl.minimum(k_begin + k_chunk, hidden)
-    up_b, up_s = gate_b + stride_wbn, gate_s + stride_wsn
-    # PREFETCH: step k0 + BLOCK_K's tiles are loaded before step k0 multiplies (two steps in flight a program)
-    if PREFETCH:
-        a = _load_k(x_rows, row_ok, k_begin, k_end, BLOCK_K)
-        gc, gs = _mxfp4_load(gate_b, gate_s, col_ok, k_begin, k_end, BLOCK_K)
-        uc, us = _mxfp4_load(up_b, up_s, col_ok, k_begin, k_end, BLOCK_K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if PREFETCH:
-            a_next = _load_k(x_rows, row_ok, k0 + BLOCK_K, k_end, BLOCK_K)
-            gc_next, gs_next = _mxfp4_load(gate_b, gate_s, col_ok, k0 + BLOCK_K, k_end, BLOCK_K)
-            uc_next, us_next = _mxfp4_load(up_b, up_s, col_ok, k0 + BLOCK_K, k_end, BLOCK_K)
-        else:
-            a = _load_k(x_rows, row_ok, k0, k_end, BLOCK_K)
-            gc, gs = _mxfp4_load(gate_b, gate_s, col_ok, k0, k_end, BLOCK_K)
-            uc, us = _mxfp4_load(up_b, up_s, col_ok, k0, k_end, BLOCK_K)
-        acc_gate = _mxfp4_dot(acc_gate, a, gc, gs, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
-        acc_up = _mxfp4_dot(acc_up, a, uc, us, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
-        if PREFETCH:
-            a, gc, gs, uc, us = a_next, gc_next, gs_next, uc_next, us_next
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, hidden), BLOCK_K):
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
+        acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
+                               DOT_SCALED, LHS_FMT, DOT_PREC)
+        acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
+                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     b_row = b1_ptr + e.to(tl.int64) * stride_be
     if SPLIT == 1:
         _swiglu_store(acc_gate, acc_up, b_row, h_ptr, stride_ht, rows, row_ok, cols, col_ok, alpha, limit)
@@ -166,8 +138,7 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part
                            stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
                            stride_ps, stride_pr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
-                           PREFETCH: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr,
-                           USE_PDL: tl.constexpr = False):
+                           ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted). With SPLIT > 1, as the up
     kernel: fp32 partial sums of K-chunk s in part[s] (b2 in chunk 0's), finished by `_scatter_finish_kernel`."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
@@ -180,26 +151,16 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output (hidden) channels
     col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
 
     h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_ht
     w_b = wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn
     w_s = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = tl.program_id(2) * k_chunk
-    k_end = tl.minimum(k_begin + k_chunk, inter)
-    if PREFETCH:  # as in the up kernel
-        a = _load_k(h_rows, row_ok, k_begin, k_end, BLOCK_K)
-        wc, wsc = _mxfp4_load(w_b, w_s, col_ok, k_begin, k_end, BLOCK_K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if PREFETCH:
-            a_next = _load_k(h_rows, row_ok, k0 + BLOCK_K, k_end, BLOCK_K)
-            wc_next, wsc_next = _mxfp4_load(w_b, w_s, col_ok, k0 + BLOCK_K, k_end, BLOCK_K)
-        else:
-            a = _load_k(h_rows, row_ok, k0, k_end, BLOCK_K)
-            wc, wsc = _mxfp4_load(w_b, w_s, col_ok, k0, k_end, BLOCK_K)
-        acc = _mxfp4_dot(acc, a, wc, wsc, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
-        if PREFETCH:
-            a, wc, wsc = a_next, wc_next, wsc_next
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, inter), BLOCK_K):
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
+        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     b_row = b2_ptr + e.to(tl.int64) * stride_be
     if SPLIT == 1:
         _weighted_store(acc, b_row, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
@@ -303,7 +264,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
     tiles = r.tiles if split_k is None else dataclasses.replace(r.tiles, split_k=split_k)
     # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
-    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, PREFETCH=tiles.prefetch, **r.kernel_args(),
+    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
