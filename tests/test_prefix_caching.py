@@ -49,6 +49,27 @@ def waves(llm: LLM, ps: list[list[int]], params: SamplingParams | list[SamplingP
     return out
 
 
+def on_and_off(mode: str, params: SamplingParams | list[SamplingParams], **kw) -> tuple[dict, dict]:
+    """The waves with the cache off and on: ({caching: outputs}, {caching: LLM})."""
+    outs, llms = {}, {}
+    for caching in (False, True):
+        llms[caching] = llm = make(mode, caching, **kw)
+        outs[caching] = waves(llm, prompts(llm), params)
+    return outs, llms
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_idle_and_cached_blocks(outs: dict, llms: dict, mode: str) -> int:
+    """No leaks on either engine; the cache-on engine's cached blocks hold the right K/V (their count)."""
+    for llm in llms.values():
+        assert_idle(llm)
+    toks = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs[True]]
+    return assert_cached_blocks_match_a_fresh_prefill(llms[True], toks, mode)
+
+
 def assert_idle(llm: LLM) -> None:
     blocks = llm.engine.blocks
     assert blocks.num_free == blocks.num_blocks and blocks.num_used == 0
@@ -137,10 +158,7 @@ def test_lookup_maps_the_longest_prefix_leaves_a_token_and_evicts_least_recent_f
 
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_outputs_and_drafts_are_the_same_with_the_cache(mode):
-    outs, llms = {}, {}
-    for caching in (False, True):
-        llms[caching] = llm = make(mode, caching)
-        outs[caching] = waves(llm, prompts(llm), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    outs, llms = on_and_off(mode, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     for off, on in zip(outs[False], outs[True]):
         assert on.outputs[0].token_ids == off.outputs[0].token_ids
         assert on.spec_decode_stats == off.spec_decode_stats  # same drafts: the cached drafter K/V is right
@@ -150,22 +168,17 @@ def test_greedy_outputs_and_drafts_are_the_same_with_the_cache(mode):
     stats = llms[True].engine.engine_stats()
     assert stats["prefix_cache_hits"] == sum(cached) and stats["prefix_cache_queries"] >= sum(
         len(o.prompt_token_ids) for o in outs[True])
-    for llm in llms.values():
-        assert_idle(llm)
-    toks = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs[True]]
-    assert assert_cached_blocks_match_a_fresh_prefill(llms[True], toks, mode) > 10
+    assert check_idle_and_cached_blocks(outs, llms, mode) > 10
 
 
 @pytest.mark.parametrize("mode", ["peagle", "eagle3"])
 def test_seeded_samples_are_the_same_with_the_cache(mode):
-    outs = {}
-    for caching in (False, True):
-        llm = make(mode, caching)
-        params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=i)
-                  for i in range(len(prompts(llm)))]
-        outs[caching] = waves(llm, prompts(llm), params)
-    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=i)
+              for i in range(len(QUESTIONS) + 2)]  # one seed per prompt
+    outs, llms = on_and_off(mode, params)
+    assert tokens(outs[True]) == tokens(outs[False])
     assert sum(o.num_cached_tokens for o in outs[True]) > 0
+    assert check_idle_and_cached_blocks(outs, llms, mode) > 10
 
 
 class Alternating:
@@ -211,18 +224,12 @@ def test_cached_blocks_are_right_after_steps_that_skip_the_drafter(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_preemption_and_eviction_under_a_tiny_block_budget(mode):
     """16 blocks of 8 for 3 requests of up to ~90 tokens: requests are preempted, cached prefixes evicted."""
-    outs, llms = {}, {}
-    for caching in (False, True):
-        llms[caching] = llm = make(mode, caching, num_gpu_blocks=16, max_num_seqs=3, max_model_len=128,
-                                   max_num_batched_tokens=32)
-        outs[caching] = waves(llm, prompts(llm), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs[True]] == [o.outputs[0].token_ids for o in outs[False]]
+    outs, llms = on_and_off(mode, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), num_gpu_blocks=16,
+                            max_num_seqs=3, max_model_len=128, max_num_batched_tokens=32)
+    assert tokens(outs[True]) == tokens(outs[False])
     eng = llms[True].engine
     assert eng.scheduler.num_preemptions > 0 and eng.blocks.num_evictions > 0 and eng.scheduler.prefix_hits > 0
-    for llm in llms.values():
-        assert_idle(llm)
-    toks = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs[True]]
-    assert assert_cached_blocks_match_a_fresh_prefill(llms[True], toks, mode) > 0
+    assert check_idle_and_cached_blocks(outs, llms, mode) > 0
 
 
 @pytest.mark.parametrize("mode", ["none", "peagle"])
