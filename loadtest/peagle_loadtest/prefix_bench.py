@@ -169,7 +169,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                    color="C0" if variant == "off" else "C2",
                    label=f"cache {variant}, {'p50' if alpha == 1 else 'p99'}")
     ax.set_xticks(range(len(conc)), [str(n) for n in conc])
-    ax.set(xlabel="concurrency", ylabel="TTFT (ms)", title="Shared system prompt: TTFT")
+    ax.set_yscale("log")
+    ax.set(xlabel="concurrency", ylabel="TTFT (ms, log scale)", title="Shared system prompt: TTFT")
     ax.legend(fontsize=8)
     conv = doc["multi_turn"]
     names = [c["variant"] for c in conv]
