@@ -69,3 +69,35 @@ def test_bad_kwargs_are_refused():
     r = PrefixAffinityRouter.__new__(PrefixAffinityRouter)
     with pytest.raises(ValueError, match="imbalanced_threshold"):
         r.initialize_state(imbalanced_threshold=0)
+
+
+def test_ray_serve_routes_each_conversation_back_to_one_replica():
+    """The router on Serve's real `request_router_config` hook: two replicas that answer with their id after a pause,
+    eight conversations in flight at once; every turn of a conversation (its history growing) reaches the replica
+    its first turn reached. (Serve's default spreads each round of eight by load instead.)"""
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    @serve.deployment(num_replicas=2, max_ongoing_requests=16, ray_actor_options={"num_cpus": 0.1},
+                      request_router_config={"request_router_class": PrefixAffinityRouter,
+                                             "request_router_kwargs": {"imbalanced_threshold": 100}})
+    class Echo:
+        async def __call__(self, request: dict) -> str:
+            await asyncio.sleep(0.2)  # so that the round's requests overlap
+            return serve.get_replica_context().replica_id.unique_id
+
+    def round_of(turn: int) -> list[str]:
+        history = lambda i: (f"question {i} " * 10,) + ("an answer", "and then?") * turn
+        responses = [handle.remote(chat(*history(i))) for i in range(8)]  # all sent before any is awaited
+        return [r.result() for r in responses]
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        handle = serve.run(Echo.bind(), name="prefix-router-test", route_prefix=None)
+        first = round_of(0)
+        assert len(set(first)) == 2  # spread by load while nothing matches
+        for turn in (1, 2, 3):
+            assert round_of(turn) == first, turn
+    finally:
+        serve.shutdown()
+        ray.shutdown()
