@@ -173,6 +173,9 @@ def test_greedy_outputs_and_drafts_are_the_same_with_the_cache(mode):
 
 @pytest.mark.parametrize("mode", ["peagle", "eagle3"])
 def test_seeded_samples_are_the_same_with_the_cache(mode):
+    """Rejection sampling draws from each request's generator once per verified row, so the same drafts give the same
+    samples. (Not across preemption: a recompute samples one row where the request would have verified its drafts,
+    and the cache changes when requests are preempted, as any change of memory does.)"""
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=i)
               for i in range(len(QUESTIONS) + 2)]  # one seed per prompt
     outs, llms = on_and_off(mode, params)
