@@ -305,6 +305,7 @@ class EngineConfig(Strict):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     kv_cache_memory_gb: float | None = Field(default=None, gt=0)
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True  # vLLM's automatic prefix caching (engine/block_manager.py)
     use_triton: bool | None = None
     # MXFP4 experts: "auto" keeps them packed on CUDA and dequantises elsewhere; "mxfp4" always packed; "none" dequantised
     quantization: Literal["auto", "mxfp4", "none"] = "auto"

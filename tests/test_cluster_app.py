@@ -560,3 +560,34 @@ def test_otlp_exporter_is_used_only_when_an_endpoint_is_configured(tmp_path):
     assert off.returncode == 0 and on.returncode == 0, off.stderr + on.stderr
     assert "OTLPSpanExporter" not in off.stdout and off.stdout.startswith("ProxyTracerProvider")
     assert on.stdout.startswith("TracerProvider") and "OTLPSpanExporter" in on.stdout
+
+
+def test_usage_reports_cached_prompt_tokens_and_metrics_count_them(loop, server):
+    """A second chat with the first one's long system prompt finds it in the prefix cache: OpenAI's
+    usage.prompt_tokens_details.cached_tokens says how many prompt tokens (whole 16-token blocks), streamed or not,
+    and the prefix-cache counters (vLLM's queries / hits, in tokens) mirror the engine's."""
+    system = "You are a careful assistant who answers in one short sentence. " * 8
+    before = server.metrics.snapshot()
+    bodies = []
+    for question in ("What is a list?", "What is a tuple?"):
+        req = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+               "max_tokens": 4, "temperature": 0}
+        bodies.append(call(loop, "POST", "/v1/chat/completions", req).json())
+    r = call(loop, "POST", "/v1/chat/completions", req | {"stream": True, "stream_options": {"include_usage": True}})
+    streamed = sse_events(r.text)[-2]["usage"]
+    first, second = (b["usage"] for b in bodies)
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    # the first shares at most the chat template's preamble with earlier tests' chats; the second the system prompt
+    assert cached - first["prompt_tokens_details"]["cached_tokens"] >= 64
+    assert cached < second["prompt_tokens"] and cached % 16 == 0
+    assert streamed["prompt_tokens_details"]["cached_tokens"] >= cached  # the same prompt again: all but its tail
+
+    async def settle():
+        await asyncio.sleep(0.5)
+        return server.metrics.snapshot(), await server.stats()
+    after, stats = loop.run(settle())
+    hits = after["prefix_cache_hits"] - before.get("prefix_cache_hits", 0)
+    assert hits == sum(u["prompt_tokens_details"]["cached_tokens"] for u in (first, second, streamed))
+    assert after["prefix_cache_queries"] - before.get("prefix_cache_queries", 0) == sum(
+        u["prompt_tokens"] for u in (first, second, streamed))
+    assert after["kv_blocks_cached"] == stats["engine"]["kv_blocks_cached"] > 0

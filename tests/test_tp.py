@@ -206,8 +206,11 @@ def test_tp2_partial_acceptance_joins_and_preemption(reference, tp2, mode):
 def test_tp2_seeded_sampling_equals_tp1(ckpt, tp2):
     """Sampling happens on rank 0 only, from the same generator: the same tokens as TP=1."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=s, ignore_eos=True) for s in range(4)]
-    want = LLM(ckpt["target"], device="cpu", speculative_config=spec(ckpt, "peagle"), **TIGHT).generate(PROMPTS, params)
-    got = tp2("peagle").generate(PROMPTS, params)
+    # Prompts no other test sends: the reused TP=2 engine's prefix cache then maps none of them, so both engines
+    # schedule (and preempt) alike, and seeded samples follow the schedule through preemption.
+    prompts = [[200 + i] + p for i, p in enumerate(PROMPTS)]
+    want = LLM(ckpt["target"], device="cpu", speculative_config=spec(ckpt, "peagle"), **TIGHT).generate(prompts, params)
+    got = tp2("peagle").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 

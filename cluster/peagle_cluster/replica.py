@@ -231,7 +231,8 @@ class EngineServer:
             self.metrics.observe_request(metrics, finish, queue_s)
             self.served += 1
             yield {"event": "final", "finish_reason": finish,
-                   "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out},
+                   "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
+                             "cached_tokens": last.num_cached_tokens if last is not None else 0},
                    "spec": _spec_dict(last.spec_decode_stats if last is not None else None)}
         finally:
             self.ongoing -= 1

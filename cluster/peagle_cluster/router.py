@@ -266,7 +266,7 @@ class Frontend:
         if ev["event"] == "error":
             raise APIError(ev["status"], ev["message"], ev.get("param"), ev.get("code"))
         await _finish(stream)
-        use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
+        use = P.usage(**ev["usage"])
         created = P.now()
         if chat:
             body = P.chat_response(rid, self.model, created, "".join(content), ev["finish_reason"], use,
@@ -303,7 +303,7 @@ class Frontend:
                         yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"],
                                                        include_usage))
                     if include_usage:
-                        use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
+                        use = P.usage(**ev["usage"])
                         yield P.sse(P.usage_chunk(rid, self.model, created, obj, use))
                     completed = True
                     await _finish(stream)

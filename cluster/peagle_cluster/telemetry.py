@@ -63,6 +63,15 @@ class ReplicaMetrics:
         self.accepted_pos = Counter("peagle_spec_decode_num_accepted_tokens_per_pos_total",
                                     "Draft tokens accepted at each position", tag_keys=keys + ("position",))
         self.preemptions = Counter("peagle_num_preemptions_total", "Requests preempted for KV space", tag_keys=keys)
+        # Prefix caching, as vLLM's vllm:prefix_cache_queries / _hits: tokens looked up and found, hit rate = ratio
+        self.prefix_queries = Counter("peagle_prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
+                                      "cache", tag_keys=keys)
+        self.prefix_hits = Counter("peagle_prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
+                                   tag_keys=keys)
+        self.prefix_evictions = Counter("peagle_prefix_cache_evictions_total", "Cached KV blocks evicted for "
+                                        "memory", tag_keys=keys)
+        self.kv_cached = Gauge("peagle_kv_blocks_cached", "KV blocks holding a cached prefix (in use or not)",
+                               tag_keys=keys)
         # The depth policy (speculative decoding): the chosen k, its inputs, predicted vs realised.
         self.depth_steps = Counter("peagle_speculation_steps_total", "Decode steps by the speculation depth k chosen",
                                    tag_keys=keys + ("k",))
@@ -96,10 +105,12 @@ class ReplicaMetrics:
         self._last_policy: dict[str, float] = {}
         self._last: dict[str, Any] = {}
         self._touched_positions = 0
-        for c in (self.drafts, self.draft_tokens, self.accepted, self.preemptions, self.tokens_out, self.tokens_in):
+        for c in (self.drafts, self.draft_tokens, self.accepted, self.preemptions, self.tokens_out, self.tokens_in,
+                  self.prefix_queries, self.prefix_hits, self.prefix_evictions):
             _touch(c, self.tags)
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions",
-                     "generation_tokens_total", "prompt_tokens_total"):
+                     "generation_tokens_total", "prompt_tokens_total", "prefix_cache_queries", "prefix_cache_hits",
+                     "prefix_cache_evictions"):
             self._values[name] = 0.0
 
     # -- mirror -----------------------------------------------------------------------------
@@ -149,7 +160,7 @@ class ReplicaMetrics:
         t = self.tags
         for gauge, key in ((self.running, "num_running"), (self.waiting, "num_waiting"),
                            (self.kv_used, "kv_blocks_used"), (self.kv_total, "kv_blocks_total"),
-                           (self.depth, "speculation_depth")):
+                           (self.depth, "speculation_depth"), (self.kv_cached, "kv_blocks_cached")):
             if stats.get(key) is not None:
                 gauge.set(float(stats[key]), tags=t)
                 self._set(key, stats[key])
@@ -173,13 +184,16 @@ class ReplicaMetrics:
             if delta > 0:
                 self.accepted_pos.inc(delta, tags=t | {"position": str(i)})
                 self._add(f"num_accepted_tokens_per_pos.{i}", delta)
-        pre = int(stats.get("num_preemptions", 0)) - int(self._last.get("num_preemptions", 0))
-        if pre > 0:
-            self.preemptions.inc(pre, tags=t)
-            self._add("num_preemptions", pre)
+        engine_counters = ((self.preemptions, "num_preemptions"), (self.prefix_queries, "prefix_cache_queries"),
+                           (self.prefix_hits, "prefix_cache_hits"), (self.prefix_evictions, "prefix_cache_evictions"))
+        for counter, key in engine_counters:
+            delta = int(stats.get(key, 0)) - int(self._last.get(key, 0))
+            if delta > 0:
+                counter.inc(delta, tags=t)
+                self._add(key, delta)
         # Copies: the engine may hand out its live lists.
         self._last = {k: list(v) if isinstance(v, list) else v for k, v in spec.items()}
-        self._last["num_preemptions"] = stats.get("num_preemptions", 0)
+        self._last |= {key: stats.get(key, 0) for _, key in engine_counters}
         if stats.get("policy"):
             self._poll_policy(dict(stats["policy"]))
 

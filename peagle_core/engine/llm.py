@@ -56,7 +56,7 @@ def to_output(req: Request, tokenizer) -> RequestOutput:
     text = text if cut is None else text[:cut]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                          [CompletionOutput(0, text, ids, req.finish_reason)], finished=req.finished,
-                         spec_decode_stats=req.stats,
+                         spec_decode_stats=req.stats, num_cached_tokens=req.num_cached_tokens or 0,
                          metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time or 0.0,
                                   "finished_time": req.finished_time or 0.0, "num_preemptions": req.num_preemptions,
                                   "num_steps": req.num_steps})

@@ -144,7 +144,7 @@ class LLMEngine:
         self.runner.graphs = make_graph_runner(self.runner, cfg.max_num_seqs, cfg.enforce_eager, budget,
                                                range(1, self.K + 1) if varies else None, self.tp.mirror)
         self.runner.warm_up_sampling()  # what runs outside the graphs compiles now, not in a request's step
-        self.blocks = BlockManager(num_blocks, cfg.block_size)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
         self.policy = policy or self._default_policy()
         self.requests: dict[str, Request] = {}
@@ -301,6 +301,9 @@ class LLMEngine:
             if stopped and not req.finished:
                 self.scheduler.finish(req, "stop")
             updates.append(Update(req, new, text))
+        for s in batch:  # the blocks this step made final become cacheable (finishing ones did in `finish`)
+            if not s.req.finished:
+                self.blocks.commit(s.req)
         # a step that captured a graph (a shape first met) timed the capture, not the step
         timed = graphs is None or graphs.num_graphs == num_graphs
         self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch), timed,
@@ -331,6 +334,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
+            "prefix_cache_queries": self.scheduler.prefix_queries, "prefix_cache_hits": self.scheduler.prefix_hits,
+            "kv_blocks_cached": self.blocks.num_cached, "prefix_cache_evictions": self.blocks.num_evictions,
             "speculation_depth": self.last_k, "speculation_mode": self.mode, "policy": self.policy.describe(),
             "tensor_parallel": self.tp.describe(),
             "spec": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,

@@ -30,6 +30,8 @@ class Request:
     # written into its cache by the next step that drafts (`ModelRunner._catch_up`)
     behind: tuple[int, list[torch.Tensor]] | None = None
     block_table: list[int] = field(default_factory=list)
+    block_digests: list[bytes] = field(default_factory=list)  # prefix-cache identity of its first blocks (`BlockManager`)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at its first scheduling
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)

@@ -4,7 +4,8 @@ Each step every running request gets its uncomputed tokens (a prefill chunk, or 
 token) plus up to k drafts to verify, under a token budget. Blocks cover everything the step may
 write: target K/V for the verified positions and drafter K/V for the K-1 MASK slots that follow.
 When blocks run out the newest running request is preempted: its blocks are freed and it is
-recomputed later from its tokens (never dropped).
+recomputed later from its tokens (never dropped). A request joining the batch first maps its longest
+cached prefix (`BlockManager.map_prefix`) and computes only the rest.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -51,7 +53,9 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason, req.finished_time = Status.FINISHED, reason, time.monotonic()
-        self.blocks.release(req.block_table)
+        if reason != "error":  # a failed step may have left its K/V half written
+            self.blocks.commit(req)
+        self.blocks.release(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -82,10 +86,18 @@ class Scheduler:
                 budget -= item.num_tokens
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
+            cached = self.blocks.map_prefix(req)
             item = self._plan(req, k, budget)
             if not self.blocks.grow(req.block_table, self._slots(item)):
+                self.blocks.release(req)  # its cached prefix goes back to the LRU list, still cached
+                req.num_computed = 0
                 break
             self.waiting.popleft()
+            if self.blocks.enable_caching:  # vLLM's prefix-cache queries and hits, in tokens
+                self.prefix_queries += len(req.token_ids)
+                self.prefix_hits += cached
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = cached
             req.status = Status.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
             self.running.append(req)
@@ -110,7 +122,8 @@ class Scheduler:
         return min(end, self.max_model_len)
 
     def _preempt(self, req: Request) -> None:
-        self.blocks.release(req.block_table)
+        self.blocks.commit(req)  # what it computed stays cached: its recompute may map it back
+        self.blocks.release(req)
         req.num_computed, req.drafts, req.behind, req.status = 0, [], None, Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

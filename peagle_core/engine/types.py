@@ -88,4 +88,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     spec_decode_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's name)
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished times (monotonic s)
