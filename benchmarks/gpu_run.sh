@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
+#   bash benchmarks/gpu_run.sh prefix-ttft  # one GPU: TTFT with a shared 2,048-token prefix, prefix cache on / off
 #   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
 #   bash benchmarks/gpu_run.sh tp-sweep  # two H200s: bf16 TP agreement with sharp logits, then `adaptive`
@@ -143,6 +144,10 @@ case "${1:-}" in
       > /tmp/bench.log 2>&1; tail -n 24 /tmp/bench.log
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 256 --layers 120b-mxfp4,20b-mxfp4 \
       > /tmp/moe_tiles.log 2>&1; tail -n 16 /tmp/moe_tiles.log
+    ;;
+  prefix-ttft)  # one GPU: TTFT with a 2,048-token shared prefix, prefix caching on against off (20B shape)
+    timeout 300 python3 benchmarks/prefix_ttft.py --shape 20b --prefix 2048 --concurrency 4 --waves 4 --rounds 1 \
+      --out "$OUT" 2>&1 | grep -v "leaked\|nanobind\|skipped remainder" | tail -n 8
     ;;
   moe-tiles)  # one GPU: MoE launch shapes by token count (docs/benchmarks/moe_tiles.*), the MXFP4 GPU tests
     timeout 330 python3 benchmarks/moe_tiles.py --out "$OUT" ${MOE_ARGS:-} > /tmp/moe_tiles.log 2>&1; tail -n 25 /tmp/moe_tiles.log
