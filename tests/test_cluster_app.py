@@ -267,6 +267,32 @@ BAD = [
     ("models-no-key", "/v1/models", None, {}, 401, None, None),
     ("body-too-large", "/v1/completions", {"prompt": "x" * 20000}, None, 413, None, "request_too_large"),
     ("unknown-route", "/v1/engines", None, None, 404, None, None),
+    # hostile values: every number bounded, named (issue 57)
+    ("top-k-past-int64", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "top_k": 2**63}, None, 400, "top_k", None),
+    ("top-k-past-vocab", "/v1/completions", {"prompt": "hi", "top_k": 10**6}, None, 400, "top_k", None),
+    ("seed-past-64-bits", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None, 400, "seed", None),
+    ("max-tokens-huge", "/v1/completions", {"prompt": "hi", "max_tokens": 2**40}, None, 400, "max_tokens", None),
+    ("max-completion-tokens-huge", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                            "max_completion_tokens": 2**63}, None, 400,
+     "max_completion_tokens", None),
+    ("n-zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, None, 400, "n", None),
+    ("n-huge", "/v1/completions", {"prompt": "a", "n": 2**64}, None, 400, "n", None),
+    ("temperature-infinite", "/v1/completions", b'{"prompt": "a", "temperature": 1e999}', None, 400, "temperature",
+     None),
+    ("temperature-nan", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', None, 400, "temperature", None),
+    ("huge-token-id", "/v1/completions", {"prompt": [2**64]}, None, 400, None, None),
+    # strings UTF-8 cannot carry, JSON too deep or with huge numbers: 400 before any work
+    ("surrogate-prompt", "/v1/completions", b'{"prompt": "\\ud800"}', None, 400, "prompt", "invalid_value"),
+    ("surrogate-content", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', None,
+     400, "messages.0.content", "invalid_value"),
+    ("surrogate-model", "/v1/completions", b'{"model": "\\ud800", "prompt": "a"}', None, 400, "model",
+     "invalid_value"),
+    ("surrogate-stop", "/v1/completions", b'{"prompt": "a", "stop": ["\\udc00"]}', None, 400, "stop.0", None),
+    ("surrogate-key", "/v1/completions", b'{"prompt": "a", "\\ud800": 1}', None, 400, None, "invalid_value"),
+    ("nested-8000", "/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 8000 + b"]" * 8000 + b"}", None, 400,
+     None, "invalid_json"),
+    ("integer-5000-digits", "/v1/completions", b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", None, 400,
+     None, "invalid_json"),
 ]
 
 
@@ -281,6 +307,73 @@ def test_bad_input_gets_status_and_openai_envelope(loop, server, name, path, bod
     err = assert_envelope(r, status, param, code)
     if status == 401:
         assert r.headers.get("www-authenticate") == "Bearer"
+
+
+def test_echoed_values_are_escaped_and_cut():
+    from peagle_cluster.guard import ECHO_CHARS, echo
+    assert echo("\ud800" + "é" * 100) == "\\ud800" + "\\xe9" * (ECHO_CHARS - 1) + "..."
+    assert echo("tiny") == "tiny"
+
+
+def test_unknown_model_name_is_echoed_escaped_and_cut(loop, server):
+    err = assert_envelope(call(loop, "POST", "/v1/completions", {"model": "é" * 5000, "prompt": "a"}), 404, "model")
+    assert len(err["message"]) < 400 and "\\xe9" in err["message"] and err["message"].isascii()
+
+
+def test_a_poisoned_request_leaves_concurrent_requests_unharmed(loop, server):
+    """The issue's reproducer amid running requests: it gets a 400 naming top_k, the others their exact text."""
+    good = {"prompt": "x y", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    alone = call(loop, "POST", "/v1/completions", good).json()["choices"][0]["text"]
+
+    async def together():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://peagle") as c:
+            post = lambda body: c.post("/v1/completions", json=body, headers=AUTH)
+            return await asyncio.gather(post(good), post(good | {"stream": True}), post(good), *[
+                post({"prompt": "hi", "max_tokens": 4, "top_k": k}) for k in (9223372036854775808, 10**6)],
+                post({"prompt": "hi", "max_tokens": 4, "seed": 2**70}))
+    a, streamed, b, *poisoned = loop.run(together())
+    for r, param in zip(poisoned, ("top_k", "top_k", "seed")):
+        assert_envelope(r, 400, param)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"] == alone
+    assert "".join(e["choices"][0]["text"] for e in sse_events(streamed.text)[:-1] if e["choices"]) == alone
+    assert _wait_idle(loop, server)["kv_blocks_used"] == 0
+
+
+def test_a_stalled_body_is_a_408_in_seconds(loop, server):
+    """A client that declares a body and never sends it (slowloris) is answered within body_read_timeout_s."""
+    import time
+
+    install_frontend(Frontend(server.settings.model_copy(update={"body_read_timeout_s": 0.5}), LocalHandle(server)))
+
+    async def stalled():
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": b'{"prompt": ', "more_body": True}
+            await asyncio.sleep(3600)
+        out = []
+
+        async def send(msg):
+            out.append(msg)
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("peagle", 80),
+                 "headers": [(b"content-length", b"1000"), (b"content-type", b"application/json"),
+                             (b"authorization", AUTH["Authorization"].encode())]}
+        await api(scope, receive, send)
+        return out
+    try:
+        t0 = time.monotonic()
+        out = loop.run(stalled(), timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        install_frontend(Frontend(parse_app_args(ARGS), LocalHandle(server)))
+    start = next(m for m in out if m["type"] == "http.response.start")
+    body = json.loads(b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body"))
+    assert start["status"] == 408 and body["error"]["code"] == "request_timeout" and took < 5
+    assert (b"connection", b"close") in start["headers"]
 
 
 def test_wrong_method_is_an_envelope_too(loop, server):

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle_cluster import guard
 from peagle_cluster import protocol as P
 from peagle_cluster.protocol import APIError
 from peagle_cluster.settings import AppSettings
@@ -160,21 +161,12 @@ class Frontend:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.aliases:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model}`.",
+            raise APIError(404, f"The model `{guard.echo(model)}` does not exist. This server serves `{self.model}`.",
                            param="model", code="model_not_found")
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self.settings.max_request_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
-                           code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():  # chunked uploads have no Content-Length: count as we read
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        return bytes(body)
+        return await guard.read_body(request.stream(), self.settings.max_request_body_bytes,
+                                     self.settings.body_read_timeout_s, request.headers.get("content-length"))
 
     async def info(self) -> dict[str, Any]:
         """max_model_len and friends, asked of a replica once (the builder does not load the model)."""

@@ -19,7 +19,7 @@ log = logging.getLogger("peagle.cluster")
 
 # Keys of `args` that belong to the cluster rather than the engine.
 APP_KEYS = {"served_model_name", "deployment", "router", "api_key", "api_key_env", "max_request_body_bytes",
-            "max_chars_per_token", "tracing", "metrics_interval_s"}
+            "body_read_timeout_s", "max_chars_per_token", "tracing", "metrics_interval_s"}
 
 
 class _Strict(BaseModel):
@@ -77,6 +77,8 @@ class AppSettings(_Strict):
     api_key: str | None = None
     api_key_env: str | None = None
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # A body not fully received by then is a 408 (a client that declares more than it sends holds nothing long).
+    body_read_timeout_s: float = Field(default=10.0, gt=0)
     # Prompts longer than max_model_len * this many characters are refused before tokenising.
     max_chars_per_token: int | None = Field(default=None, ge=1)
     tracing: TracingOptions = Field(default_factory=TracingOptions)
