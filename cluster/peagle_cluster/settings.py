@@ -58,6 +58,9 @@ class RouterOptions(_Strict):
     max_ongoing_requests: int = Field(default=1024, ge=1)
     max_queued_requests: int = Field(default=-1, ge=-1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
+    # Serve notices a dead replica at its next health check: often, so a crashed router is replaced in seconds.
+    health_check_period_s: float = Field(default=1.0, gt=0)
+    health_check_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class TracingOptions(_Strict):
@@ -171,7 +174,9 @@ class AppSettings(_Strict):
         r = self.router
         opts: dict[str, Any] = {"max_ongoing_requests": r.max_ongoing_requests,
                                 "max_queued_requests": r.max_queued_requests,
-                                "ray_actor_options": dict(r.ray_actor_options)}
+                                "ray_actor_options": dict(r.ray_actor_options),
+                                "health_check_period_s": r.health_check_period_s,
+                                "health_check_timeout_s": r.health_check_timeout_s}
         if r.autoscaling_config is not None:
             opts["autoscaling_config"] = dict(r.autoscaling_config)
         else:
