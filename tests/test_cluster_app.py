@@ -720,3 +720,66 @@ def test_fuzzed_requests_never_get_a_5xx(loop, server):
     print(f"fuzzed {seen['n']} requests: {seen['2xx']} 2xx, {seen['4xx']} 4xx, 0 5xx; {seen['s']:.1f} s in requests")
     assert seen["2xx"] > 0 and seen["4xx"] > 0  # both sides of the schema were reached
     assert _wait_idle(loop, server)["kv_blocks_used"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The proxy middleware: what a client sees when the router dies under its request
+# --------------------------------------------------------------------------------------------
+
+def _through_failover(app) -> list[dict]:
+    from peagle_cluster.failover import RouterFailureMiddleware
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def go():
+        await RouterFailureMiddleware(app)({"type": "http", "path": "/v1/completions"}, receive, send)
+    asyncio.run(go())
+    return sent
+
+
+def _start_and_body(sent):
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert not bodies[-1].get("more_body") and all(m.get("more_body") for m in bodies[:-1])  # ended exactly once
+    return start, b"".join(m.get("body", b"") for m in bodies)
+
+
+def test_failover_answers_a_request_the_dead_router_left_unanswered():
+    async def died(scope, receive, send):  # Serve's proxy after the replica actor died: no response at all
+        return None
+    start, body = _start_and_body(_through_failover(died))
+    headers = dict(start["headers"])
+    assert start["status"] == 503 and headers[b"retry-after"] == b"1"
+    assert json.loads(body)["error"]["code"] == "router_unavailable"
+
+
+def test_failover_ends_a_cut_stream_with_an_error_event_then_done():
+    async def cut(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
+        raise RuntimeError("replica died")  # or the proxy just returns: the same to the client
+    start, body = _start_and_body(_through_failover(cut))
+    events = sse_events(body.decode())
+    assert start["status"] == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "router_unavailable"
+
+
+def test_failover_turns_the_proxys_plain_text_errors_into_envelopes_and_leaves_the_rest():
+    async def plain(scope, receive, send):  # e.g. Serve's "no replica / queue full" answer
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"text/plain"), (b"retry-after", b"3")]})
+        await send({"type": "http.response.body", "body": b"Deployment \xff unavailable", "more_body": False})
+    start, body = _start_and_body(_through_failover(plain))
+    err = json.loads(body)["error"]
+    assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"3" and "unavailable" in err["message"]
+
+    async def ours(scope, receive, send):
+        await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": {}}', "more_body": False})
+    assert _through_failover(ours)[1]["body"] == b'{"error": {}}'  # the router's own answers pass untouched

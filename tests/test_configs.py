@@ -150,6 +150,23 @@ def test_the_router_always_has_room_to_restart(path):
         assert engine_replicas * per_replica + router_replicas * router_cpus <= 2
 
 
+def test_serve_run_warns_of_an_unread_key_and_of_an_open_endpoint_without_one():
+    from peagle_cluster import failover
+    from peagle_cluster.settings import startup_warnings
+
+    def exposure_warnings(settings, host, env):
+        return startup_warnings(settings, host, env | {failover.CALLBACK_ENV: failover.CALLBACK})
+
+    bare, reads = parse_app_args({"model": "tiny"}), parse_app_args({"model": "tiny", "api_key_env": "PEAGLE_API_KEY"})
+    key = {"PEAGLE_API_KEY": "k"}
+    assert "does not read it" in " ".join(exposure_warnings(bare, "127.0.0.1", key))
+    assert exposure_warnings(reads, "127.0.0.1", key) == [] and exposure_warnings(reads, "0.0.0.0", key) == []
+    assert exposure_warnings(reads, "127.0.0.1", {}) == []  # an open endpoint on loopback: the default, no warning
+    assert "without a key" in " ".join(exposure_warnings(reads, "0.0.0.0", {}))
+    assert len(exposure_warnings(bare, "10.0.0.5", key)) == 2
+    assert "plain-text 500" in " ".join(startup_warnings(reads, "127.0.0.1", {}))  # no failover middleware
+
+
 # --------------------------------------------------------------------------------------------
 # docker-compose.yml
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from peagle_cluster import guard
 from peagle_cluster import protocol as P
 from peagle_cluster.protocol import APIError
-from peagle_cluster.settings import AppSettings
+from peagle_cluster.settings import AppSettings, serve_http_host, startup_warnings
 from peagle_cluster.stats_board import aggregate, get_or_create_board
 from peagle_cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
 
@@ -430,6 +430,8 @@ def _ray_error(e: BaseException) -> APIError:
 class OpenAIRouter:
     def __init__(self, settings: dict[str, Any], engine) -> None:
         s = AppSettings.model_validate(settings)
+        for warning in startup_warnings(s, serve_http_host()):
+            log.warning(warning)
         setup_tracing(s.tracing.exporter, s.tracing.service_name + "-router")
         board = get_or_create_board(serve.get_replica_context().app_name)
         install_frontend(Frontend(s, engine, board))

@@ -184,6 +184,46 @@ class AppSettings(_Strict):
         return opts
 
 
+KEY_ENV = "PEAGLE_API_KEY"  # the variable every shipped config names in api_key_env
+
+
+def startup_warnings(settings: AppSettings, http_host: str | None, environ: dict[str, str] | None = None) -> list[str]:
+    """What the router says at start (its log reaches the `serve run` console) about an endpoint more open than
+    its user may think, a key variable set but not read by this config or an endpoint beyond loopback without a
+    key, and about a proxy without the router-failure middleware (`peagle_cluster.failover`)."""
+    from peagle_cluster import failover
+
+    env = os.environ if environ is None else environ
+    out = []
+    if http_host is not None and env.get(failover.CALLBACK_ENV) != failover.CALLBACK:
+        out.append(f"{failover.CALLBACK_ENV} is not {failover.CALLBACK} where Ray started: requests in flight when "
+                   "a router dies get Serve's plain-text 500 and cut streams (docs/cluster.md, Security and failure)")
+    reads = {settings.api_key_env} if settings.api_key_env else set()
+    if env.get(KEY_ENV) and KEY_ENV not in reads and not settings.api_key:
+        out.append(f"{KEY_ENV} is set but this config does not read it, so the endpoint takes requests without a key: "
+                   f"add `api_key_env: {KEY_ENV}` to the application's args")
+    keyed = bool(settings.api_key or (settings.api_key_env and env.get(settings.api_key_env)))
+    if http_host is not None and http_host not in ("127.0.0.1", "localhost", "::1") and not keyed:
+        out.append(f"the OpenAI endpoint listens on {http_host} (beyond this machine) and takes requests without a "
+                   f"key: export {settings.api_key_env or KEY_ENV} before `serve run`, or bind http_options.host to "
+                   "127.0.0.1")
+    return out
+
+
+def serve_http_host() -> str | None:
+    """The host Serve's proxies bind, from inside a running Serve application (None elsewhere)."""
+    try:
+        import ray
+        from ray.serve.context import _get_global_client
+
+        if not ray.is_initialized():
+            return None
+        client = _get_global_client(raise_if_no_controller_running=False)
+        return client.http_config.host if client is not None else None
+    except Exception:  # a private API: no warning rather than a failed start
+        return None
+
+
 def parse_app_args(args: dict[str, Any] | None) -> AppSettings:
     """Split and validate a serve config's `args`; one readable ValueError for every problem."""
     args = dict(args or {})
