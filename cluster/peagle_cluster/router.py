@@ -4,8 +4,9 @@ The FastAPI app is module-level (Serve's `@serve.ingress` needs it at import tim
 state lives in a `Frontend` object installed with `install_frontend`, so the same routes run in Ray
 Serve (`OpenAIRouter`) and in-process under tests (`Frontend` with a local engine).
 
-Order of checks for a completion request, cheapest first: API key (401), body size (413),
-JSON and field types (400), model name (404), sampling ranges (400), prompt characters (400),
+Order of checks for a completion request, cheapest first: API key (401), body size and arrival
+(413, 408), JSON depth and number length, encodable strings and field types and ranges (400, see
+`guard`), model name (404), sampling values (400), prompt characters (400),
 then the replica tokenises and checks tokens (400) before the engine sees the request. The HTTP
 status is only sent once the replica has accepted the request (its first event), so even a
 streaming request gets a real 4xx for bad input. Any failure after that is an SSE error event
