@@ -309,6 +309,21 @@ def test_bad_input_gets_status_and_openai_envelope(loop, server, name, path, bod
         assert r.headers.get("www-authenticate") == "Bearer"
 
 
+def test_json_depth_and_number_length_count_only_outside_strings():
+    from peagle_cluster.guard import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, check_json_shape
+    from peagle_cluster.protocol import APIError
+
+    nest = lambda d: b'{"x": ' + b"[" * (d - 1) + b"]" * (d - 1) + b"}"
+    check_json_shape(nest(MAX_JSON_DEPTH))
+    check_json_shape(json.dumps({"p": "[{" * 500 + '\\"' + "9" * 500, "q": "\\", "r": [1.5] * 3}).encode())
+    check_json_shape(b'{"n": ' + b"9" * MAX_NUMBER_DIGITS + b"}")
+    for bad in (nest(MAX_JSON_DEPTH + 1), b'{"n": ' + b"9" * (MAX_NUMBER_DIGITS + 1) + b"}", b"[" * 50000,
+                b'{"s": "a\\\\", "x": ' + b"[" * 100 + b"}"):  # an escaped backslash ends its string
+        with pytest.raises(APIError) as e:
+            check_json_shape(bad)
+        assert e.value.status == 400
+
+
 def test_echoed_values_are_escaped_and_cut():
     from peagle_cluster.guard import ECHO_CHARS, echo
     assert echo("\ud800" + "é" * 100) == "\\ud800" + "\\xe9" * (ECHO_CHARS - 1) + "..."
@@ -691,7 +706,7 @@ def _fuzz_bodies():
     return st.tuples(st.one_of(chat.map(lambda b: (True, b)), completion.map(lambda b: (False, b))), extra)
 
 
-FUZZ_EXAMPLES = int(__import__("os").environ.get("PEAGLE_FUZZ_EXAMPLES", "150"))
+FUZZ_EXAMPLES = int(__import__("os").environ.get("PEAGLE_FUZZ_EXAMPLES", "100"))
 
 
 def test_fuzzed_requests_never_get_a_5xx(loop, server):

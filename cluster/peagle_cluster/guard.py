@@ -11,16 +11,19 @@ import asyncio
 import re
 from typing import Any, AsyncIterable
 
+import numpy as np  # a Ray dependency: vectorised bracket depth, no Python loop over a 4 MiB body
+
 from peagle_cluster import protocol as P  # a module reference: protocol imports this module too
 
 MAX_JSON_DEPTH = 64      # OpenAI bodies nest < 10 levels; tool schemas a few more
 MAX_NUMBER_DIGITS = 64   # any real float or token id prints in far fewer digits
 ECHO_CHARS = 64          # longest client value repeated in an error message
 
-# A JSON string literal (unrolled: no backtracking on long strings), and a run of digits outside strings.
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# A string literal once escaped backslashes and quotes are gone, and a run of digits outside strings.
+_STRING = re.compile(rb'"[^"]*"')
 _LONG_NUMBER = re.compile(rb"[0-9]{%d,}" % (MAX_NUMBER_DIGITS + 1))
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_STEP = np.array([1 if c in b"[{" else -1 for c in range(256)], dtype=np.int32)  # nesting change per bracket byte
 
 
 async def read_body(chunks: AsyncIterable[bytes], limit: int, timeout_s: float, declared: str | None) -> bytes:
@@ -48,14 +51,12 @@ async def read_body(chunks: AsyncIterable[bytes], limit: int, timeout_s: float, 
 def check_json_shape(raw: bytes) -> None:
     """Refuse nesting deeper than MAX_JSON_DEPTH and numbers longer than MAX_NUMBER_DIGITS, scanning the bytes
     outside string literals (a malformed body passes here and fails in the parser)."""
-    bare = _STRING.sub(b'""', raw)
+    bare = _STRING.sub(b'""', raw.replace(b"\\\\", b"").replace(b'\\"', b""))  # C-speed passes, no backtracking
     if _LONG_NUMBER.search(bare):
         raise P.APIError(400, f"The body has a number longer than {MAX_NUMBER_DIGITS} digits.", code="invalid_json")
-    depth = 0
-    for b in bare.translate(None, _NOT_BRACKETS):
-        depth += 1 if b in b"[{" else -1
-        if depth > MAX_JSON_DEPTH:
-            raise P.APIError(400, f"The body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json")
+    brackets = np.frombuffer(bare.translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if brackets.size and int(np.cumsum(_STEP[brackets]).max()) > MAX_JSON_DEPTH:
+        raise P.APIError(400, f"The body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json")
 
 
 def check_strings(data: Any, path: str = "") -> None:
