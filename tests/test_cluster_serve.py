@@ -242,6 +242,26 @@ def test_two_replicas_both_receive_traffic_under_concurrent_load(cluster):
     assert len(delta) == 2 and all(v >= 1 for v in delta.values()), delta
 
 
+def test_the_issues_poisoned_request_leaves_concurrent_requests_unharmed(cluster):
+    """Issue 57's reproducer sent while other requests run on both replicas: a 400 naming top_k for it, the
+    exact greedy text for the others, and no engine error anywhere."""
+    good = {"prompt": "tell me", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    alone = httpx.post(cluster["url"] + "/v1/completions", json=good, headers=AUTH, timeout=60).json()
+
+    async def together():
+        async with httpx.AsyncClient(base_url=cluster["url"], headers=AUTH, timeout=120) as c:
+            running = [asyncio.create_task(c.post("/v1/completions", json=good)) for _ in range(3)]
+            await asyncio.sleep(0.2)  # the good ones are in their engines' steps
+            poisoned = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
+                                                              "top_k": 9223372036854775808})
+            return poisoned, await asyncio.gather(*running)
+    poisoned, results = asyncio.run(together())
+    assert poisoned.status_code == 400 and poisoned.json()["error"]["param"] == "top_k"
+    assert [r.status_code for r in results] == [200] * 3
+    assert all(r.json()["choices"][0]["text"] == alone["choices"][0]["text"] for r in results)
+    assert all(r["errors"] == 0 for r in _wait(lambda: _idle(cluster), 30, "idle cluster")["replicas"])
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(cluster):
     before = _wait(lambda: _idle(cluster), 30, "idle cluster")
     aborted_before = sum(r["aborted"] for r in before["replicas"])
