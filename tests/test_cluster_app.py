@@ -267,6 +267,32 @@ BAD = [
     ("models-no-key", "/v1/models", None, {}, 401, None, None),
     ("body-too-large", "/v1/completions", {"prompt": "x" * 20000}, None, 413, None, "request_too_large"),
     ("unknown-route", "/v1/engines", None, None, 404, None, None),
+    # hostile values: every number bounded, named (issue 57)
+    ("top-k-past-int64", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "top_k": 2**63}, None, 400, "top_k", None),
+    ("top-k-past-vocab", "/v1/completions", {"prompt": "hi", "top_k": 10**6}, None, 400, "top_k", None),
+    ("seed-past-64-bits", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None, 400, "seed", None),
+    ("max-tokens-huge", "/v1/completions", {"prompt": "hi", "max_tokens": 2**40}, None, 400, "max_tokens", None),
+    ("max-completion-tokens-huge", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                            "max_completion_tokens": 2**63}, None, 400,
+     "max_completion_tokens", None),
+    ("n-zero", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, None, 400, "n", None),
+    ("n-huge", "/v1/completions", {"prompt": "a", "n": 2**64}, None, 400, "n", None),
+    ("temperature-infinite", "/v1/completions", b'{"prompt": "a", "temperature": 1e999}', None, 400, "temperature",
+     None),
+    ("temperature-nan", "/v1/completions", b'{"prompt": "a", "temperature": NaN}', None, 400, "temperature", None),
+    ("huge-token-id", "/v1/completions", {"prompt": [2**64]}, None, 400, None, None),
+    # strings UTF-8 cannot carry, JSON too deep or with huge numbers: 400 before any work
+    ("surrogate-prompt", "/v1/completions", b'{"prompt": "\\ud800"}', None, 400, "prompt", "invalid_value"),
+    ("surrogate-content", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfff"}]}', None,
+     400, "messages.0.content", "invalid_value"),
+    ("surrogate-model", "/v1/completions", b'{"model": "\\ud800", "prompt": "a"}', None, 400, "model",
+     "invalid_value"),
+    ("surrogate-stop", "/v1/completions", b'{"prompt": "a", "stop": ["\\udc00"]}', None, 400, "stop.0", None),
+    ("surrogate-key", "/v1/completions", b'{"prompt": "a", "\\ud800": 1}', None, 400, None, "invalid_value"),
+    ("nested-8000", "/v1/completions", b'{"prompt": "a", "x": ' + b"[" * 8000 + b"]" * 8000 + b"}", None, 400,
+     None, "invalid_json"),
+    ("integer-5000-digits", "/v1/completions", b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", None, 400,
+     None, "invalid_json"),
 ]
 
 
@@ -281,6 +307,88 @@ def test_bad_input_gets_status_and_openai_envelope(loop, server, name, path, bod
     err = assert_envelope(r, status, param, code)
     if status == 401:
         assert r.headers.get("www-authenticate") == "Bearer"
+
+
+def test_json_depth_and_number_length_count_only_outside_strings():
+    from peagle_cluster.guard import MAX_JSON_DEPTH, MAX_NUMBER_DIGITS, check_json_shape
+    from peagle_cluster.protocol import APIError
+
+    nest = lambda d: b'{"x": ' + b"[" * (d - 1) + b"]" * (d - 1) + b"}"
+    check_json_shape(nest(MAX_JSON_DEPTH))
+    check_json_shape(json.dumps({"p": "[{" * 500 + '\\"' + "9" * 500, "q": "\\", "r": [1.5] * 3}).encode())
+    check_json_shape(b'{"n": ' + b"9" * MAX_NUMBER_DIGITS + b"}")
+    for bad in (nest(MAX_JSON_DEPTH + 1), b'{"n": ' + b"9" * (MAX_NUMBER_DIGITS + 1) + b"}", b"[" * 50000,
+                b'{"s": "a\\\\", "x": ' + b"[" * 100 + b"}"):  # an escaped backslash ends its string
+        with pytest.raises(APIError) as e:
+            check_json_shape(bad)
+        assert e.value.status == 400
+
+
+def test_echoed_values_are_escaped_and_cut():
+    from peagle_cluster.guard import ECHO_CHARS, echo
+    assert echo("\ud800" + "é" * 100) == "\\ud800" + "\\xe9" * (ECHO_CHARS - 1) + "..."
+    assert echo("tiny") == "tiny"
+
+
+def test_unknown_model_name_is_echoed_escaped_and_cut(loop, server):
+    err = assert_envelope(call(loop, "POST", "/v1/completions", {"model": "é" * 5000, "prompt": "a"}), 404, "model")
+    assert len(err["message"]) < 400 and "\\xe9" in err["message"] and err["message"].isascii()
+
+
+def test_a_poisoned_request_leaves_concurrent_requests_unharmed(loop, server):
+    """The issue's reproducer amid running requests: it gets a 400 naming top_k, the others their exact text."""
+    good = {"prompt": "x y", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    alone = call(loop, "POST", "/v1/completions", good).json()["choices"][0]["text"]
+
+    async def together():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://peagle") as c:
+            post = lambda body: c.post("/v1/completions", json=body, headers=AUTH)
+            return await asyncio.gather(post(good), post(good | {"stream": True}), post(good), *[
+                post({"prompt": "hi", "max_tokens": 4, "top_k": k}) for k in (9223372036854775808, 10**6)],
+                post({"prompt": "hi", "max_tokens": 4, "seed": 2**70}))
+    a, streamed, b, *poisoned = loop.run(together())
+    for r, param in zip(poisoned, ("top_k", "top_k", "seed")):
+        assert_envelope(r, 400, param)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"] == alone
+    assert "".join(e["choices"][0]["text"] for e in sse_events(streamed.text)[:-1] if e["choices"]) == alone
+    assert _wait_idle(loop, server)["kv_blocks_used"] == 0
+
+
+def test_a_stalled_body_is_a_408_in_seconds(loop, server):
+    """A client that declares a body and never sends it (slowloris) is answered within body_read_timeout_s."""
+    import time
+
+    install_frontend(Frontend(server.settings.model_copy(update={"body_read_timeout_s": 0.5}), LocalHandle(server)))
+
+    async def stalled():
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": b'{"prompt": ', "more_body": True}
+            await asyncio.sleep(3600)
+        out = []
+
+        async def send(msg):
+            out.append(msg)
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("peagle", 80),
+                 "headers": [(b"content-length", b"1000"), (b"content-type", b"application/json"),
+                             (b"authorization", AUTH["Authorization"].encode())]}
+        await api(scope, receive, send)
+        return out
+    try:
+        t0 = time.monotonic()
+        out = loop.run(stalled(), timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        install_frontend(Frontend(parse_app_args(ARGS), LocalHandle(server)))
+    start = next(m for m in out if m["type"] == "http.response.start")
+    body = json.loads(b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body"))
+    assert start["status"] == 408 and body["error"]["code"] == "request_timeout" and took < 5
+    assert (b"connection", b"close") in start["headers"]
 
 
 def test_wrong_method_is_an_envelope_too(loop, server):
@@ -591,3 +699,133 @@ def test_usage_reports_cached_prompt_tokens_and_metrics_count_them(loop, server)
     assert after["prefix_cache_queries"] - before.get("prefix_cache_queries", 0) == sum(
         u["prompt_tokens"] for u in (first, second, streamed))
     assert after["kv_blocks_cached"] == stats["engine"]["kv_blocks_cached"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Property: any JSON body gets a 2xx or a 4xx with a message, never a 5xx
+# --------------------------------------------------------------------------------------------
+
+def _fuzz_bodies():
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(codec=None), max_size=12)  # lone surrogates included
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80),
+                        st.integers(min_value=-3, max_value=40), st.floats(allow_nan=True, allow_infinity=True), text)
+    values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3),
+                          max_leaves=6)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "wizard"])},
+                                    optional={"content": st.one_of(text, text, values), "name": st.one_of(text, values)})
+    def field(valid):  # one in ten out of range, so most requests also get past the schema into the engine
+        return st.integers(0, 9).flatmap(lambda i: values if i == 0 else valid)
+
+    fields = {"model": field(st.just("tiny")), "max_tokens": field(st.integers(1, 6)),
+              "temperature": field(st.floats(0, 2)), "top_p": field(st.floats(0.01, 1)),
+              "top_k": field(st.integers(-1, 300)), "seed": field(st.integers(-2**63, 2**64 - 1)),
+              "n": field(st.just(1)), "stop": field(st.lists(text.filter(bool), max_size=4)),
+              "stream": field(st.booleans()), "logprobs": field(st.just(False)), "ignore_eos": field(st.booleans()),
+              "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
+              "max_completion_tokens": field(st.integers(1, 6)),
+              "reasoning_effort": field(st.sampled_from(["low", "medium", "high"])), "echo": field(st.just(False)),
+              "suffix": field(st.just("")), "user": field(text)}
+    # max_tokens always set (to null one time in ten): a chat without it generates to max_model_len, too slow here
+    limit = {"max_tokens": fields.pop("max_tokens")}
+    chat = st.fixed_dictionaries({"messages": st.one_of(st.lists(message, min_size=1, max_size=2), values), **limit},
+                                 optional=fields)
+    completion = st.fixed_dictionaries({"prompt": st.one_of(text, text, st.lists(field(st.integers(0, 300)), max_size=4),
+                                                            values), **limit}, optional=fields)
+    extra = st.dictionaries(text, values, max_size=2)
+    return st.tuples(st.one_of(chat.map(lambda b: (True, b)), completion.map(lambda b: (False, b))), extra)
+
+
+FUZZ_EXAMPLES = int(__import__("os").environ.get("PEAGLE_FUZZ_EXAMPLES", "100"))
+
+
+def test_fuzzed_requests_never_get_a_5xx(loop, server):
+    import time
+
+    from hypothesis import HealthCheck, given, settings
+
+    seen = {"n": 0, "2xx": 0, "4xx": 0}
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_fuzz_bodies())
+    def check(case):
+        (chat, body), extra = case
+        raw = json.dumps({**extra, **body}, allow_nan=True).encode()  # NaN / Infinity / \ud800 as a client may send
+        t0 = time.perf_counter()
+        r = call(loop, "POST", "/v1/chat/completions" if chat else "/v1/completions", raw=raw)
+        seen["s"] = seen.get("s", 0) + time.perf_counter() - t0
+        assert r.status_code < 500, (raw[:300], r.text[:300])
+        if r.status_code >= 400:
+            assert_envelope(r, r.status_code)
+        seen["n"] += 1
+        seen["2xx" if r.status_code < 300 else "4xx"] += 1
+
+    check()
+    print(f"fuzzed {seen['n']} requests: {seen['2xx']} 2xx, {seen['4xx']} 4xx, 0 5xx; {seen['s']:.1f} s in requests")
+    assert seen["2xx"] > 0 and seen["4xx"] > 0  # both sides of the schema were reached
+    assert _wait_idle(loop, server)["kv_blocks_used"] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The proxy middleware: what a client sees when the router dies under its request
+# --------------------------------------------------------------------------------------------
+
+def _through_failover(app) -> list[dict]:
+    from peagle_cluster.failover import RouterFailureMiddleware
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def go():
+        await RouterFailureMiddleware(app)({"type": "http", "path": "/v1/completions"}, receive, send)
+    asyncio.run(go())
+    return sent
+
+
+def _start_and_body(sent):
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert not bodies[-1].get("more_body") and all(m.get("more_body") for m in bodies[:-1])  # ended exactly once
+    return start, b"".join(m.get("body", b"") for m in bodies)
+
+
+def test_failover_answers_a_request_the_dead_router_left_unanswered():
+    async def died(scope, receive, send):  # Serve's proxy after the replica actor died: no response at all
+        return None
+    start, body = _start_and_body(_through_failover(died))
+    headers = dict(start["headers"])
+    assert start["status"] == 503 and headers[b"retry-after"] == b"1"
+    assert json.loads(body)["error"]["code"] == "router_unavailable"
+
+
+def test_failover_ends_a_cut_stream_with_an_error_event_then_done():
+    async def cut(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        await send({"type": "http.response.body", "body": b'data: {"choices": []}\n\n', "more_body": True})
+        raise RuntimeError("replica died")  # or the proxy just returns: the same to the client
+    start, body = _start_and_body(_through_failover(cut))
+    events = sse_events(body.decode())
+    assert start["status"] == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "router_unavailable"
+
+
+def test_failover_turns_the_proxys_plain_text_errors_into_envelopes_and_leaves_the_rest():
+    async def plain(scope, receive, send):  # e.g. Serve's "no replica / queue full" answer
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"text/plain"), (b"retry-after", b"3")]})
+        await send({"type": "http.response.body", "body": b"Deployment \xff unavailable", "more_body": False})
+    start, body = _start_and_body(_through_failover(plain))
+    err = json.loads(body)["error"]
+    assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"3" and "unavailable" in err["message"]
+
+    async def ours(scope, receive, send):
+        await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": {}}', "more_body": False})
+    assert _through_failover(ours)[1]["body"] == b'{"error": {}}'  # the router's own answers pass untouched

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KEY = "serve-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_ONGOING, MAX_QUEUED = 2, 4  # a burst counts as queued until routed: queue >= burst size
+BODY_TIMEOUT_S = 2
 
 
 def _free_port() -> int:
@@ -41,7 +42,7 @@ def _test_args() -> dict:
     args["deployment"] = {"num_replicas": 2, "max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED,
                           "ray_actor_options": {"num_cpus": 1}, "health_check_period_s": 5,
                           "max_constructor_retry_count": 1, "graceful_shutdown_timeout_s": 5}
-    args.update(api_key=KEY, tracing={"exporter": "memory"}, metrics_interval_s=0.5)
+    args.update(api_key=KEY, tracing={"exporter": "memory"}, metrics_interval_s=0.5, body_read_timeout_s=BODY_TIMEOUT_S)
     return args
 
 
@@ -159,6 +160,13 @@ BAD = [
     ("unknown-model", {"model": "gpt-5", "prompt": "a"}, AUTH, 404),
     ("missing-key", {"prompt": "a"}, {}, 401),
     ("body-too-large", {"prompt": "z" * (1024 * 1024 + 1)}, AUTH, 413),
+    # hostile input (issue 57): bounded numbers, lone surrogates, deep JSON, huge integers
+    ("top-k-past-int64", {"prompt": "hi", "max_tokens": 4, "top_k": 9223372036854775808}, AUTH, 400),
+    ("seed-past-64-bits", {"prompt": "hi", "seed": 2**70}, AUTH, 400),
+    ("surrogate-prompt", b'{"prompt": "\\ud800"}', AUTH, 400),
+    ("surrogate-model", b'{"model": "\\ud800", "prompt": "a"}', AUTH, 400),
+    ("nested-50000", b'{"prompt": "a", "x": ' + b"[" * 50000 + b"]" * 50000 + b"}", AUTH, 400),
+    ("integer-5000-digits", b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", AUTH, 400),
 ]
 
 
@@ -171,6 +179,24 @@ def test_bad_input_status_and_envelope_over_http(cluster, name, body, headers, s
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert "Traceback" not in r.text
+
+
+def test_a_stalled_body_gets_a_408_through_the_proxy(cluster):
+    """Slowloris: headers promise 1000 bytes, 11 arrive; the answer comes after body_read_timeout_s, not minutes."""
+    host, port = cluster["url"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ".encode())
+        t0 = time.time()
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        took = time.time() - t0
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert BODY_TIMEOUT_S - 0.5 <= took < BODY_TIMEOUT_S + 10, took
 
 
 def test_openai_client_sees_typed_errors(client):
@@ -214,6 +240,26 @@ def test_two_replicas_both_receive_traffic_under_concurrent_load(cluster):
         raise AssertionError(f"{e}; last counters seen: {seen[-1] if seen else None}") from None
     # Power of two choices on ongoing requests: with both replicas in the pair, each takes a share.
     assert len(delta) == 2 and all(v >= 1 for v in delta.values()), delta
+
+
+def test_the_issues_poisoned_request_leaves_concurrent_requests_unharmed(cluster):
+    """Issue 57's reproducer sent while other requests run on both replicas: a 400 naming top_k for it, the
+    exact greedy text for the others, and no engine error anywhere."""
+    good = {"prompt": "tell me", "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    alone = httpx.post(cluster["url"] + "/v1/completions", json=good, headers=AUTH, timeout=60).json()
+
+    async def together():
+        async with httpx.AsyncClient(base_url=cluster["url"], headers=AUTH, timeout=120) as c:
+            running = [asyncio.create_task(c.post("/v1/completions", json=good)) for _ in range(3)]
+            await asyncio.sleep(0.2)  # the good ones are in their engines' steps
+            poisoned = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
+                                                              "top_k": 9223372036854775808})
+            return poisoned, await asyncio.gather(*running)
+    poisoned, results = asyncio.run(together())
+    assert poisoned.status_code == 400 and poisoned.json()["error"]["param"] == "top_k"
+    assert [r.status_code for r in results] == [200] * 3
+    assert all(r.json()["choices"][0]["text"] == alone["choices"][0]["text"] for r in results)
+    assert all(r["errors"] == 0 for r in _wait(lambda: _idle(cluster), 30, "idle cluster")["replicas"])
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(cluster):

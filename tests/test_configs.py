@@ -127,6 +127,46 @@ def test_api_key_comes_from_the_environment(monkeypatch):
     assert "k1" not in json.dumps(s.model_dump())  # the key never lands in what Ray ships around
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_reads_the_api_key_and_listens_on_loopback(path):
+    raw = yaml.safe_load(path.read_text())
+    assert raw["http_options"]["host"] == "127.0.0.1"
+    assert _app(path)["args"]["api_key_env"] == "PEAGLE_API_KEY"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_router_always_has_room_to_restart(path):
+    """The router's CPUs are reserved in every config: with the engine at its most replicas, a router that dies
+    can be placed again (tiny.yaml: on the 2 cores it is written for)."""
+    s = parse_app_args(_app(path)["args"])
+    eng, router = s.engine_deployment_options(), s.router_deployment_options()
+    engine_replicas = eng.get("num_replicas") or eng["autoscaling_config"]["max_replicas"]
+    router_replicas = router.get("num_replicas") or router["autoscaling_config"]["max_replicas"]
+    router_cpus = router["ray_actor_options"].get("num_cpus", 0)
+    assert router_cpus > 0
+    if path.name == "tiny.yaml":
+        bundles = eng.get("placement_group_bundles")
+        per_replica = sum(b.get("CPU", 0) for b in bundles) if bundles else eng["ray_actor_options"]["num_cpus"]
+        assert engine_replicas * per_replica + router_replicas * router_cpus <= 2
+
+
+def test_serve_run_warns_of_an_unread_key_and_of_an_open_endpoint_without_one():
+    from peagle_cluster import failover
+    from peagle_cluster.settings import startup_warnings
+
+    def exposure_warnings(settings, host, env):
+        return startup_warnings(settings, host, env | {failover.CALLBACK_ENV: failover.CALLBACK})
+
+    bare, reads = parse_app_args({"model": "tiny"}), parse_app_args({"model": "tiny", "api_key_env": "PEAGLE_API_KEY"})
+    key = {"PEAGLE_API_KEY": "k"}
+    assert "does not read it" in " ".join(exposure_warnings(bare, "127.0.0.1", key))
+    assert exposure_warnings(reads, "127.0.0.1", key) == [] and exposure_warnings(reads, "0.0.0.0", key) == []
+    assert exposure_warnings(reads, "127.0.0.1", {}) == []  # an open endpoint on loopback: the default, no warning
+    assert "without a key" in " ".join(exposure_warnings(reads, "0.0.0.0", {}))
+    assert len(exposure_warnings(bare, "10.0.0.5", key)) == 2
+    assert "plain-text 500" in " ".join(startup_warnings(reads, "127.0.0.1", {}))  # no failover middleware
+
+
 # --------------------------------------------------------------------------------------------
 # docker-compose.yml
 # --------------------------------------------------------------------------------------------

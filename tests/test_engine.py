@@ -147,10 +147,52 @@ def test_a_request_near_max_tokens_verifies_every_draft_and_stops_at_the_limit(t
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")])
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": 2**63}, "top_k"), ({"seed": 2**64}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": float("nan")}, "temperature")])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_request_whose_sampling_setup_fails_ends_alone_and_the_others_go_on(tiny_pair, reference):
+    """A value that passed admission but breaks the step's packing (top_k beyond int64, as a request built
+    without checks would carry) ends its own request with an error; the others decode exactly as alone."""
+    from peagle_core.engine.llm_engine import StepError
+
+    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec(tiny_pair, "peagle", 3))
+    eng = llm.engine
+    good = [eng.add_request(f"ok{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:3])]
+    bad = eng.add_request("bad", PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+    eng.step()
+    bad.params.top_k = 2**63
+    failures = []
+    while eng.has_work():
+        try:
+            eng.step()
+        except StepError as e:
+            failures.append([r.request_id for r in e.requests])
+    assert failures == [["bad"]] and bad.finish_reason == "error"
+    for r, p in zip(good, PROMPTS):
+        assert r.token_ids[len(p):] == reference[tuple(p)] and r.finish_reason == "length"
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_sampling_values_the_engine_cannot_use_are_refused_at_admission_naming_the_field(tiny_pair):
+    eng = LLM(tiny_pair["target"], device="cpu").engine
+    vocab = eng.target.config.vocab_size
+    with pytest.raises(ValueError, match="vocabulary") as e:
+        eng.add_request("a", [1, 2], SamplingParams(top_k=vocab + 1))
+    assert e.value.param == "top_k"
+    eng.add_request("b", [1, 2], SamplingParams(top_k=vocab, seed=2**64 - 1, max_tokens=2))  # the bounds themselves
+    params = SamplingParams(seed=1)
+    params.seed = 2**70  # past validation: the generator refuses it, the request alone fails
+    with pytest.raises(ValueError) as e:
+        eng.add_request("c", [1, 2], params)
+    assert e.value.param == "seed"
+    while eng.has_work():
+        eng.step()
+    assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
 def test_bad_requests_and_configs(tiny_pair, tmp_path):

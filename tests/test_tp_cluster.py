@@ -43,7 +43,8 @@ def test_tp_replica_reserves_one_bundle_per_rank():
     assert spread.engine_deployment_options()["placement_group_strategy"] == "PACK"
 
     cpu = parse_app_args(_tiny_args(tensor_parallel_size=2))
-    assert cpu.engine_deployment_options()["placement_group_bundles"] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    rank0 = float(_tiny_args()["deployment"]["ray_actor_options"]["num_cpus"])  # the replica actor's own CPUs
+    assert cpu.engine_deployment_options()["placement_group_bundles"] == [{"CPU": rank0}, {"CPU": 1.0}]
     single = parse_app_args(_tiny_args()).engine_deployment_options()
     assert "placement_group_bundles" not in single and "placement_group_strategy" not in single
 

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from peagle_cluster import guard
+
 # --------------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------------
@@ -54,31 +56,36 @@ def validation_error(e: ValidationError) -> APIError:
     for err in errs[:5]:
         loc = ".".join(str(x) for x in err["loc"]) or "body"
         msg = str(err["msg"]).removeprefix("Value error, ")
-        msgs.append(f"{loc}: {msg}")
-    return APIError(400, "Invalid request: " + "; ".join(msgs), param=param, code="invalid_value")
+        msgs.append(f"{guard.echo(loc)}: {guard.echo(msg, 300)}")  # keys may be the client's: escaped, cut
+    return APIError(400, "Invalid request: " + "; ".join(msgs), param=param and guard.echo(param), code="invalid_value")
 
 
 # --------------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------------
 
+# Bounds no real request reaches: the engine refuses what its model cannot do (context, vocabulary) by name.
+MAX_TOKENS = 2**31 - 1
+MAX_TOP_K = 2**31 - 1
+
+
 class _Request(BaseModel):
     # strict: no "0.5" -> 0.5 coercion (OpenAI rejects it too); extra: OpenAI's clients send fields we ignore.
     model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = None  # any 64-bit seed, signed or not
     stream: bool | None = False
     stream_options: "StreamOptions | None" = None
     user: str | None = None
     logprobs: Any = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] | None = None  # the engine also bounds it by its vocabulary
     ignore_eos: bool | None = None
 
     @field_validator("n")
@@ -153,7 +160,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony's system-message setting
 
     def requested_max_tokens(self) -> int | None:
@@ -212,7 +219,9 @@ CompletionRequest.model_rebuild()
 
 
 def parse_request(cls: type[_Request], raw: bytes) -> _Request:
-    """Bytes -> request model, every failure as a 400 APIError (malformed JSON, non-object, bad field)."""
+    """Bytes -> request model, every failure as a 400 APIError (malformed JSON, too deep or long numbers,
+    non-object, unencodable string, bad field)."""
+    guard.check_json_shape(raw)
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -220,6 +229,7 @@ def parse_request(cls: type[_Request], raw: bytes) -> _Request:
                        code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"Request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    guard.check_strings(data)
     try:
         return cls.model_validate(data)
     except ValidationError as e:

@@ -308,6 +308,7 @@ class EngineServer:
         reporting while the event loop is busy streaming."""
         interval = self.settings.metrics_interval_s
         board, app = None, _app_name()
+        me = _current_actor() if app is not None else None  # lets the board see at once when this replica dies
         while not self._stop_polling.wait(interval):
             try:
                 stats = self.llm.stats()
@@ -315,7 +316,7 @@ class EngineServer:
                 if app is not None:
                     board = board or lookup_board(app)
                     if board is not None:
-                        board.report.remote(self.replica_id, self._summary(stats))
+                        board.report.remote(self.replica_id, self._summary(stats), me)
             except Exception:
                 board = None  # the board may have moved (router restarted): look it up again next time
                 log.debug("stats poll failed", exc_info=True)
@@ -405,6 +406,15 @@ async def _close_quietly(agen) -> None:
 def _app_name() -> str | None:
     try:
         return serve.get_replica_context().app_name
+    except Exception:
+        return None
+
+
+def _current_actor():
+    try:
+        import ray
+
+        return ray.get_runtime_context().current_actor
     except Exception:
         return None
 

@@ -4,8 +4,9 @@ The FastAPI app is module-level (Serve's `@serve.ingress` needs it at import tim
 state lives in a `Frontend` object installed with `install_frontend`, so the same routes run in Ray
 Serve (`OpenAIRouter`) and in-process under tests (`Frontend` with a local engine).
 
-Order of checks for a completion request, cheapest first: API key (401), body size (413),
-JSON and field types (400), model name (404), sampling ranges (400), prompt characters (400),
+Order of checks for a completion request, cheapest first: API key (401), body size and arrival
+(413, 408), JSON depth and number length, encodable strings and field types and ranges (400, see
+`guard`), model name (404), sampling values (400), prompt characters (400),
 then the replica tokenises and checks tokens (400) before the engine sees the request. The HTTP
 status is only sent once the replica has accepted the request (its first event), so even a
 streaming request gets a real 4xx for bad input. Any failure after that is an SSE error event
@@ -26,9 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle_cluster import guard
 from peagle_cluster import protocol as P
 from peagle_cluster.protocol import APIError
-from peagle_cluster.settings import AppSettings
+from peagle_cluster.settings import AppSettings, serve_http_host, startup_warnings
 from peagle_cluster.stats_board import aggregate, get_or_create_board
 from peagle_cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
 
@@ -160,21 +162,12 @@ class Frontend:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.aliases:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model}`.",
+            raise APIError(404, f"The model `{guard.echo(model)}` does not exist. This server serves `{self.model}`.",
                            param="model", code="model_not_found")
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self.settings.max_request_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
-                           code="request_too_large")
-        body = bytearray()
-        async for chunk in request.stream():  # chunked uploads have no Content-Length: count as we read
-            body += chunk
-            if len(body) > limit:
-                raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
-        return bytes(body)
+        return await guard.read_body(request.stream(), self.settings.max_request_body_bytes,
+                                     self.settings.body_read_timeout_s, request.headers.get("content-length"))
 
     async def info(self) -> dict[str, Any]:
         """max_model_len and friends, asked of a replica once (the builder does not load the model)."""
@@ -438,6 +431,8 @@ def _ray_error(e: BaseException) -> APIError:
 class OpenAIRouter:
     def __init__(self, settings: dict[str, Any], engine) -> None:
         s = AppSettings.model_validate(settings)
+        for warning in startup_warnings(s, serve_http_host()):
+            log.warning(warning)
         setup_tracing(s.tracing.exporter, s.tracing.service_name + "-router")
         board = get_or_create_board(serve.get_replica_context().app_name)
         install_frontend(Frontend(s, engine, board))

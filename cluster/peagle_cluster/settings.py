@@ -19,7 +19,7 @@ log = logging.getLogger("peagle.cluster")
 
 # Keys of `args` that belong to the cluster rather than the engine.
 APP_KEYS = {"served_model_name", "deployment", "router", "api_key", "api_key_env", "max_request_body_bytes",
-            "max_chars_per_token", "tracing", "metrics_interval_s"}
+            "body_read_timeout_s", "max_chars_per_token", "tracing", "metrics_interval_s"}
 
 
 class _Strict(BaseModel):
@@ -58,6 +58,9 @@ class RouterOptions(_Strict):
     max_ongoing_requests: int = Field(default=1024, ge=1)
     max_queued_requests: int = Field(default=-1, ge=-1)
     ray_actor_options: dict[str, Any] = Field(default_factory=lambda: {"num_cpus": 0.1})
+    # Serve notices a dead replica at its next health check: often, so a crashed router is replaced in seconds.
+    health_check_period_s: float = Field(default=1.0, gt=0)
+    health_check_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class TracingOptions(_Strict):
@@ -77,6 +80,8 @@ class AppSettings(_Strict):
     api_key: str | None = None
     api_key_env: str | None = None
     max_request_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    # A body not fully received by then is a 408 (a client that declares more than it sends holds nothing long).
+    body_read_timeout_s: float = Field(default=10.0, gt=0)
     # Prompts longer than max_model_len * this many characters are refused before tokenising.
     max_chars_per_token: int | None = Field(default=None, ge=1)
     tracing: TracingOptions = Field(default_factory=TracingOptions)
@@ -169,12 +174,54 @@ class AppSettings(_Strict):
         r = self.router
         opts: dict[str, Any] = {"max_ongoing_requests": r.max_ongoing_requests,
                                 "max_queued_requests": r.max_queued_requests,
-                                "ray_actor_options": dict(r.ray_actor_options)}
+                                "ray_actor_options": dict(r.ray_actor_options),
+                                "health_check_period_s": r.health_check_period_s,
+                                "health_check_timeout_s": r.health_check_timeout_s}
         if r.autoscaling_config is not None:
             opts["autoscaling_config"] = dict(r.autoscaling_config)
         else:
             opts["num_replicas"] = r.num_replicas or 1
         return opts
+
+
+KEY_ENV = "PEAGLE_API_KEY"  # the variable every shipped config names in api_key_env
+
+
+def startup_warnings(settings: AppSettings, http_host: str | None, environ: dict[str, str] | None = None) -> list[str]:
+    """What the router says at start (its log reaches the `serve run` console) about an endpoint more open than
+    its user may think, a key variable set but not read by this config or an endpoint beyond loopback without a
+    key, and about a proxy without the router-failure middleware (`peagle_cluster.failover`)."""
+    from peagle_cluster import failover
+
+    env = os.environ if environ is None else environ
+    out = []
+    if http_host is not None and env.get(failover.CALLBACK_ENV) != failover.CALLBACK:
+        out.append(f"{failover.CALLBACK_ENV} is not {failover.CALLBACK} where Ray started: requests in flight when "
+                   "a router dies get Serve's plain-text 500 and cut streams (docs/cluster.md, Security and failure)")
+    reads = {settings.api_key_env} if settings.api_key_env else set()
+    if env.get(KEY_ENV) and KEY_ENV not in reads and not settings.api_key:
+        out.append(f"{KEY_ENV} is set but this config does not read it, so the endpoint takes requests without a key: "
+                   f"add `api_key_env: {KEY_ENV}` to the application's args")
+    keyed = bool(settings.api_key or (settings.api_key_env and env.get(settings.api_key_env)))
+    if http_host is not None and http_host not in ("127.0.0.1", "localhost", "::1") and not keyed:
+        out.append(f"the OpenAI endpoint listens on {http_host} (beyond this machine) and takes requests without a "
+                   f"key: export {settings.api_key_env or KEY_ENV} before `serve run`, or bind http_options.host to "
+                   "127.0.0.1")
+    return out
+
+
+def serve_http_host() -> str | None:
+    """The host Serve's proxies bind, from inside a running Serve application (None elsewhere)."""
+    try:
+        import ray
+        from ray.serve.context import _get_global_client
+
+        if not ray.is_initialized():
+            return None
+        client = _get_global_client(raise_if_no_controller_running=False)
+        return client.http_config.host if client is not None else None
+    except Exception:  # a private API: no warning rather than a failed start
+        return None
 
 
 def parse_app_args(args: dict[str, Any] | None) -> AppSettings:

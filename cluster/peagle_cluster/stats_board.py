@@ -2,14 +2,17 @@
 
 A deployment handle reaches *one* replica per call, so "how busy is every replica, what is the
 acceptance length overall" needs a meeting point. Each replica posts its engine stats every
-metrics interval (fire and forget); `GET /v1/stats` on the router reads all of them. Entries not
-refreshed for `ttl_s` (a replica that died or scaled away) are dropped.
+metrics interval (fire and forget); `GET /v1/stats` on the router reads all of them. A replica
+whose actor has died is dropped at the next read (the board asks each reporter's actor whether it
+is alive); entries not refreshed for `ttl_s` (a replica wedged or scaled away) are dropped too.
 
-The router creates the actor (`get_if_exists`), so it lives with the application; if it is lost,
-the next router call creates it again and replicas refill it within one interval.
+The router creates the actor (`get_if_exists`) detached, so it outlives a router that crashes and
+keeps its entries; if it is lost anyway, the next router creates it again and replicas refill it
+within one interval.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -23,18 +26,39 @@ class StatsBoard:
     def __init__(self, ttl_s: float = 30.0):
         self.ttl_s = ttl_s
         self.entries: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.actors: dict[str, Any] = {}  # replica id -> its actor handle, to tell a dead one at once
 
-    def report(self, replica_id: str, stats: dict[str, Any] | None) -> None:
+    def report(self, replica_id: str, stats: dict[str, Any] | None, actor: Any = None) -> None:
         if stats is None:
             self.entries.pop(replica_id, None)
+            self.actors.pop(replica_id, None)
         else:
             self.entries[replica_id] = (time.monotonic(), stats)
+            if actor is not None:
+                self.actors[replica_id] = actor
 
-    def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> dict[str, Any]:
+        await self._drop_dead()
         now = time.monotonic()
         self.entries = {k: v for k, v in self.entries.items() if now - v[0] <= self.ttl_s}
         replicas = [dict(s, replica_id=k, age_s=round(now - t, 3)) for k, (t, s) in sorted(self.entries.items())]
         return aggregate(replicas)
+
+    async def _drop_dead(self, timeout_s: float = 1.0) -> None:
+        """Ray fails a call to a dead actor at once; a live but busy one may just be slow (kept)."""
+        async def alive(actor) -> bool:
+            try:
+                await asyncio.wait_for(actor.__ray_ready__.remote(), timeout_s)
+            except ray.exceptions.RayActorError:
+                return False
+            except Exception:  # slow or unreachable for now: the TTL decides
+                pass
+            return True
+
+        ids = list(self.actors)
+        for rid, ok in zip(ids, await asyncio.gather(*(alive(self.actors[r]) for r in ids))):
+            if not ok:
+                self.report(rid, None)
 
 
 def aggregate(replicas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -70,7 +94,7 @@ def board_name(app: str) -> str:
 
 def get_or_create_board(app: str):
     return StatsBoard.options(name=board_name(app), namespace="serve", get_if_exists=True,
-                              lifetime=None).remote()
+                              lifetime="detached").remote()
 
 
 def lookup_board(app: str):

@@ -11,7 +11,7 @@ import torch
 from peagle_core.config import EngineConfig
 from peagle_core.engine.block_manager import BlockManager
 from peagle_core.engine.graphs import graphs_supported, make_graph_runner
-from peagle_core.engine.model_runner import ModelRunner
+from peagle_core.engine.model_runner import ModelRunner, check_sampling_setup
 from peagle_core.engine.output import TextState
 from peagle_core.engine.request import Request, Status
 from peagle_core.engine.scheduler import Scheduler
@@ -195,14 +195,14 @@ class LLMEngine:
         """Tokenize and validate without touching engine state (safe from another thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        params.validate()
+        vocab = self.target.config.vocab_size
+        generator = self._sampling_setup(params, vocab)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: pass the prompt as token ids")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        vocab = self.target.config.vocab_size
         if not ids:
             raise ValueError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
@@ -216,9 +216,21 @@ class LLMEngine:
         if params.max_tokens is None or params.max_tokens > limit:
             params = SamplingParams(**{**params.__dict__, "max_tokens": limit})
         req = Request(request_id, ids, params, prompt=text)
-        if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req.generator = generator
         return req
+
+    def _sampling_setup(self, params: SamplingParams, vocab: int) -> torch.Generator | None:
+        """Check the request's sampling values as a step will use them, and seed its generator: a ValueError
+        (naming the field in `.param`) here refuses this request alone."""
+        try:
+            check_sampling_setup(params)
+            if params.top_k > vocab:
+                raise ValueError(f"top_k must be at most the vocabulary size {vocab}, got {params.top_k}")
+            return None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
+        except (ValueError, OverflowError, RuntimeError, TypeError) as e:
+            err = ValueError(str(e) if isinstance(e, ValueError) else f"invalid sampling parameters: {e}")
+            err.param = next((f for f in ("top_k", "top_p", "temperature", "seed", "max_tokens") if f in str(e)), None)
+            raise err from None
 
     def submit(self, req: Request) -> Request:
         if req.request_id in self.requests:
@@ -271,13 +283,17 @@ class LLMEngine:
             # the depth the policy wants next; the policy learns from the last step while the device runs this one
             result = self.runner.execute(batch, draft_len=draft, while_busy=self.policy.learn)
         except Exception as e:
-            for s in batch:  # the failure touched exactly these requests: end them, keep the engine
+            # A request whose own sampling values cannot be set up fails alone: nothing was computed for the
+            # others that a step cannot redo, and the next step schedules them again. Any other failure touched
+            # the whole batch: end exactly those requests, keep the engine.
+            failed = [] if isinstance(e, TPError) else [s for s in batch if _setup_fails(s.req.params)]
+            for s in failed or batch:
                 self.scheduler.finish(s.req, "error")
                 self.requests.pop(s.req.request_id, None)
                 self.texts.pop(s.req.request_id, None)
             if isinstance(e, TPError):
                 raise  # the ranks are out of step for good: fatal for the engine, not just this batch
-            raise StepError([s.req for s in batch], e) from e
+            raise StepError([s.req for s in failed or batch], e) from e
         step_time = time.perf_counter() - t0
         self.execute_seconds += step_time
         self.last_k, self.num_steps = k, self.num_steps + 1
@@ -343,3 +359,11 @@ class LLMEngine:
                      "num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos),
                      "acceptance_length": s.acceptance_length},
         }
+
+
+def _setup_fails(params: SamplingParams) -> bool:
+    try:
+        check_sampling_setup(params)
+        return False
+    except Exception:
+        return True

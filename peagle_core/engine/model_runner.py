@@ -11,6 +11,7 @@ The step reads like the method (DESIGN.md, "One engine step"):
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,6 +91,14 @@ def forward_views(ints: list[torch.Tensor], width: int) -> tuple[torch.Tensor, F
     input_ids, positions, qsl, seq_lens, tables, slot_mapping = ints
     return input_ids, ForwardMeta(positions=positions, query_start_loc=qsl, seq_lens=seq_lens,
                                   slot_mapping=slot_mapping, block_tables=tables.view(len(seq_lens), width))
+
+
+def check_sampling_setup(params: SamplingParams) -> None:
+    """Raise what a step's `_upload` would for this one request's sampling values (top_k packed as int64,
+    temperature and top_p as float32): a request that cannot be set up is found alone, not by failing a step."""
+    params.validate()
+    array.array("q", [params.top_k])
+    array.array("f", [params.temperature, params.top_p])
 
 
 class ModelRunner:

@@ -1,7 +1,12 @@
 """Public request and result types, shaped like vLLM's."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The engine packs top_k as int64 and seeds torch generators, which take any 64-bit seed (signed or not).
+INT64_MAX = 2**63 - 1
+SEED_RANGE = (-2**63, 2**64 - 1)
 
 
 @dataclass
@@ -24,14 +29,16 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Clear ValueErrors before any work (the HTTP layer turns them into 400s)."""
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > INT64_MAX:
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, 2**63), got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
