@@ -1,9 +1,8 @@
 """OpenAI's HTTP shapes: request models, the error envelope, response bodies and stream chunks.
 
-Request models are strict about types (a string where a number belongs is a 400, as with OpenAI)
-and ignore unknown fields (OpenAI clients send fields this server does not implement, such as
-`presence_penalty`); features whose silent omission would change the answer (`n > 1`,
-`logprobs`) are refused by name.
+Request models are strict about types (a string where a number belongs is a 400, as with OpenAI).
+No field is dropped silently: each declared field is honoured or refused by name unless it holds a
+neutral value (`peagle_cluster.fields`), and an undeclared one is refused by name, as OpenAI does.
 """
 from __future__ import annotations
 
@@ -13,6 +12,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from peagle_cluster.fields import honoured, refusal, refused
 
 # --------------------------------------------------------------------------------------------
 # Errors
@@ -48,6 +49,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def validation_error(e: ValidationError) -> APIError:
     """pydantic's report as a 400 naming the first bad field; never echoes Python internals."""
     errs = e.errors(include_url=False, include_context=False)
+    unknown = [err for err in errs if err["type"] == "extra_forbidden"]
+    if unknown:  # OpenAI's wording for a field it does not know
+        where = ".".join(str(x) for x in unknown[0]["loc"])
+        return APIError(400, f"Unrecognized request argument supplied: {where}", param=where,
+                        code="unsupported_parameter")
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
     param = ".".join(str(x) for x in first["loc"] if not str(x).startswith("function-")) or None
     msgs = []
@@ -62,31 +68,68 @@ def validation_error(e: ValidationError) -> APIError:
 # Requests
 # --------------------------------------------------------------------------------------------
 
+_NOT_EXACT = "not yet applied exactly under speculative verification, so refused rather than answered wrong"
+_NO_STRUCTURED = "no structured output yet"
+
+
 class _Request(BaseModel):
-    # strict: no "0.5" -> 0.5 coercion (OpenAI rejects it too); extra: OpenAI's clients send fields we ignore.
-    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+    # strict: no "0.5" -> 0.5 coercion (OpenAI rejects it too); forbid: a field nobody declares is refused
+    # by name, never dropped (fields.py; docs/cluster.md has the table of every declared field)
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
 
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool | None = False
-    stream_options: "StreamOptions | None" = None
-    user: str | None = None
-    logprobs: Any = None
-    # vLLM's extras
-    top_k: int | None = None
-    ignore_eos: bool | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
+    model: str | None = honoured("must name the served model (404 otherwise)")
+    max_tokens: Annotated[int, Field(ge=1)] | None = honoured(
+        "length limit (completions: default 16; chat: default the rest of the context)")
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = honoured("0 is greedy")
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = honoured("nucleus sampling")
+    top_k: int | None = honoured("vLLM's: -1 disables")
+    seed: int | None = honoured("a per-request generator: the same seed gives the same text")
+    stop: str | list[str] | None = honoured("at most 4 strings, not included in the output")
+    stop_token_ids: list[int] | None = honoured("vLLM's: extra token ids that end the completion")
+    ignore_eos: bool | None = honoured("vLLM's: keep generating past end-of-turn tokens")
+    stream: bool | None = honoured("server-sent events ending in `data: [DONE]`", default=False)
+    stream_options: "StreamOptions | None" = honoured("`include_usage` adds the usage chunk")
+    user: str | None = honoured("recorded on the request's trace span (`enduser.id`)")
+    n: Any = refused(1, note="one choice per request")
+    best_of: Any = refused(1, note="one choice per request")
+    use_beam_search: Any = refused(False, note="no beam search")
+    length_penalty: Any = refused(1, note="beam search only")
+    echo: Any = refused(False, note="the prompt is not echoed")
+    logprobs: Any = refused(False, 0, note="log-probabilities are not returned yet")
+    prompt_logprobs: Any = refused(0, note="prompt log-probabilities are not returned")
+    presence_penalty: Any = refused(0, note=_NOT_EXACT)
+    frequency_penalty: Any = refused(0, note=_NOT_EXACT)
+    repetition_penalty: Any = refused(1, note=_NOT_EXACT)
+    min_p: Any = refused(0, note=_NOT_EXACT)
+    min_tokens: Any = refused(0, note=_NOT_EXACT)
+    logit_bias: Any = refused({}, note=_NOT_EXACT)
+    allowed_token_ids: Any = refused(note=_NOT_EXACT)
+    bad_words: Any = refused([], note=_NOT_EXACT)
+    logits_processors: Any = refused([], note="no custom logits processors")
+    response_format: Any = refused({"type": "text"}, note=_NO_STRUCTURED)
+    structured_outputs: Any = refused(note=_NO_STRUCTURED)
+    guided_json: Any = refused(note=_NO_STRUCTURED)
+    guided_regex: Any = refused(note=_NO_STRUCTURED)
+    guided_choice: Any = refused(note=_NO_STRUCTURED)
+    guided_grammar: Any = refused(note=_NO_STRUCTURED)
+    guided_decoding_backend: Any = refused(note=_NO_STRUCTURED)
+    guided_whitespace_pattern: Any = refused(note=_NO_STRUCTURED)
+    structural_tag: Any = refused(note=_NO_STRUCTURED)
+    include_stop_str_in_output: Any = refused(False, note="stop strings are never included")
+    skip_special_tokens: Any = refused(True, note="special tokens are never in the text")
+    spaces_between_special_tokens: Any = refused(True, note="special tokens are never in the text")
+    add_special_tokens: bool | None = honoured("accepted either way: GPT-OSS's tokenizer adds no special tokens")
+    truncate_prompt_tokens: Any = refused(note="prompts are never truncated: too long is a 400")
+    priority: Any = refused(0, note="one priority: first come, first served")
+    request_id: Any = refused(note="the server names requests")
+    return_tokens_as_token_ids: Any = refused(False, note="tokens are returned as text")
+    return_token_ids: Any = refused(False, note="tokens are returned as text")
+    cache_salt: Any = refused(note="no prefix cache to salt")
+    kv_transfer_params: Any = refused(note="no disaggregated prefill")
+    vllm_xargs: Any = refused({}, note="no engine extensions")
+    store: Any = refused(False, note="nothing is stored")
+    metadata: Any = refused({}, note="nothing is stored (metadata goes with `store`)")
+    service_tier: Any = refused("auto", "default", note="one service tier")
 
     @field_validator("stop")
     @classmethod
@@ -100,13 +143,6 @@ class _Request(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v: Any) -> Any:
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported by this server")
-        return None
-
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         """The request as `SamplingParams` keyword arguments (vLLM names); unset fields keep defaults."""
         kw: dict[str, Any] = {"max_tokens": self.requested_max_tokens() or default_max_tokens}
@@ -116,6 +152,8 @@ class _Request(BaseModel):
                 kw[name] = v
         if self.stop:
             kw["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            kw["stop_token_ids"] = list(self.stop_token_ids)
         return kw
 
     def requested_max_tokens(self) -> int | None:
@@ -138,10 +176,18 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+
+    @model_validator(mode="after")
+    def _no_tools_yet(self) -> "ChatMessage":
+        if self.tool_calls or self.tool_call_id is not None:
+            raise ValueError("tool calls in the history are not supported by this server")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -152,9 +198,27 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    reasoning_effort: Literal["low", "medium", "high"] | None = None  # harmony's system-message setting
+    messages: list[ChatMessage] = honoured("rendered in harmony, GPT-OSS's chat format", min_length=1,
+                                           default=...)
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = honoured("OpenAI's newer name of `max_tokens`")
+    reasoning_effort: Literal["low", "medium", "high"] | None = honoured("written into harmony's system message")
+    top_logprobs: Any = refused(0, note="log-probabilities are not returned yet")
+    tools: Any = refused([], note="tool calling is not supported yet")
+    tool_choice: Any = refused("none", note="tool calling is not supported yet")
+    parallel_tool_calls: Any = refused(note="tool calling is not supported yet")
+    functions: Any = refused([], note="deprecated by OpenAI; use `tools`")
+    function_call: Any = refused("none", note="deprecated by OpenAI; use `tool_choice`")
+    audio: Any = refused(note="text only")
+    modalities: Any = refused(["text"], note="text only")
+    prediction: Any = refused(note="no predicted outputs")
+    web_search_options: Any = refused(note="no web search")
+    verbosity: Any = refused("medium", note="GPT-OSS has no verbosity setting")
+    add_generation_prompt: Any = refused(True, note="the reply always starts a new assistant turn")
+    continue_final_message: Any = refused(False, note="the reply always starts a new assistant turn")
+    chat_template: Any = refused(note="GPT-OSS's harmony format is fixed")
+    chat_template_kwargs: Any = refused({}, note="GPT-OSS's harmony format is fixed; use `reasoning_effort`")
+    documents: Any = refused(note="no retrieval documents")
+    mm_processor_kwargs: Any = refused(note="text only")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -167,9 +231,9 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: Any
-    echo: bool | None = None
-    suffix: str | None = None
+    prompt: Any = honoured("a string, a list of token ids, or a one-element list of either", default=...)
+    suffix: Any = refused("", note="no fill-in-the-middle")
+    prompt_embeds: Any = refused(note="token or text prompts only")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -190,14 +254,6 @@ class CompletionRequest(_Request):
                 raise ValueError("a token-id prompt must be a list of non-negative integers")
             return list(p)
         raise ValueError("prompt must be a string or a list of token ids")
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        return self
 
     def single_prompt(self) -> str | list[int]:
         return self.prompt
@@ -221,9 +277,12 @@ def parse_request(cls: type[_Request], raw: bytes) -> _Request:
     if not isinstance(data, dict):
         raise APIError(400, f"Request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
-        return cls.model_validate(data)
+        req = cls.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+    if (refused_field := refusal(req)) is not None:
+        raise APIError(400, refused_field[1], param=refused_field[0], code="unsupported_parameter")
+    return req
 
 
 # --------------------------------------------------------------------------------------------

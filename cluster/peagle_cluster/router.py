@@ -230,6 +230,8 @@ class Frontend:
             span.set_attribute("gen_ai.request.id", rid)
             span.set_attribute("gen_ai.request.model", self.model)
             span.set_attribute("peagle.stream", bool(req.stream))
+            if req.user:
+                span.set_attribute("enduser.id", req.user)
             ereq = engine_request(rid, req, sampling, chat, trace_ctx=inject_context(span))
             stream = self.engine.options(stream=True).generate.remote(ereq)
             first = await _first_event(stream)
