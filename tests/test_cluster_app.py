@@ -16,6 +16,7 @@ import pytest
 
 from peagle_cluster import protocol as P
 from peagle_core.loading.harmony import HarmonyParser
+from peagle_core.loading.tokenizer import today
 from peagle_cluster.replica import EngineServer
 from peagle_cluster.router import Frontend, api, install_frontend
 from peagle_cluster.settings import parse_app_args
@@ -193,7 +194,8 @@ def test_chat_uses_the_harmony_template_and_streams_openai_chunks(loop, server):
     assert r.status_code == 200, r.text
     body = r.json()
     tok = server.llm.tokenizer
-    expected_prompt = len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
+    expected_prompt = len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                             current_date=today())))
     assert body["usage"]["prompt_tokens"] == expected_prompt
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
     assert isinstance(body["choices"][0]["message"]["content"], str)
@@ -503,13 +505,13 @@ HARMONY = ("<|channel|>analysis<|message|>User says hi. Reply.<|end|><|start|>as
 
 def test_harmony_parser_splits_channels_at_any_chunk_boundary():
     whole = HarmonyParser().feed(HARMONY, final=True)
-    assert whole == ("Hello! How can I help?", "User says hi. Reply.")
+    assert whole == ("Hello! How can I help?", "User says hi. Reply.", [])
     for cut in range(1, len(HARMONY)):
         p = HarmonyParser()
-        c1, r1 = p.feed(HARMONY[:cut])
-        c2, r2 = p.feed(HARMONY[cut:], final=True)
-        assert (c1 + c2, r1 + r2) == whole, cut
-    assert HarmonyParser().feed("plain text <b>", final=True) == ("plain text <b>", "")
+        c1, r1, _ = p.feed(HARMONY[:cut])
+        c2, r2, _ = p.feed(HARMONY[cut:], final=True)
+        assert (c1 + c2, r1 + r2, []) == whole, cut
+    assert HarmonyParser().feed("plain text <b>", final=True) == ("plain text <b>", "", [])
 
 
 def test_request_models_follow_openai_types():
@@ -535,7 +537,8 @@ def test_reasoning_effort_reaches_the_harmony_system_message(loop, server):
     for effort in ("low", "high"):
         body = call(loop, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
                                                           "reasoning_effort": effort}).json()
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, reasoning_effort=effort)
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, reasoning_effort=effort,
+                                         current_date=today())
         assert f"Reasoning: {effort}" in prompt
         assert body["usage"]["prompt_tokens"] == len(tok.encode(prompt))
     assert_envelope(call(loop, "POST", "/v1/chat/completions", {"messages": messages, "reasoning_effort": "max"}),

@@ -150,3 +150,179 @@ def test_any_request_is_a_2xx_or_a_4xx_with_a_message(loop, server, req):
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert r.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Tools and reasoning, the harmony way
+# --------------------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather",
+    "parameters": {"type": "object", "properties": {"location": {"type": "string", "description": "City"}},
+                   "required": ["location"]}}}
+CALL_REPLY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+              "to=functions.get_weather <|constrain|>json<|message|>{\"location\": \"Paris\"}<|call|>")
+
+
+def decode_all(tok, reply: str, prefix: str = "", step: int = 1):
+    """Feed a reply's token ids `step` at a time; concatenate what the decoder emits."""
+    from peagle_core.loading.harmony import ChatDecoder
+
+    ids = tok.encode(reply)
+    dec = ChatDecoder(tok, prefix=prefix)
+    content, reasoning, calls = "", "", {}
+    for i in range(0, len(ids), step):
+        d = dec.push(ids[i:i + step], final=i + step >= len(ids))
+        content, reasoning = content + d.content, reasoning + d.reasoning
+        for c in d.tool_calls:
+            calls.setdefault(c["index"], {"name": None, "arguments": ""})
+            if "name" in c:
+                assert calls[c["index"]]["name"] is None  # the name comes once, first
+                calls[c["index"]]["name"] = c["name"]
+            calls[c["index"]]["arguments"] += c["arguments"]
+    return content, reasoning, [calls[i] for i in sorted(calls)]
+
+
+def test_tiny_tokenizer_has_harmony_tokens_as_single_ids(server):
+    tok = server.llm.tokenizer
+    for t in ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>", "<|constrain|>"):
+        assert tok.encode(t) == [tok.token_id(t)]
+    assert tok.token_id("<|call|>") in server.llm.engine.stop_ids  # a call ends the turn
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 100])
+def test_a_commentary_call_to_a_function_parses_as_a_tool_call(server, step):
+    tok = server.llm.tokenizer
+    expect = ("", "Need the weather.", [{"name": "get_weather", "arguments": '{"location": "Paris"}'}])
+    assert decode_all(tok, CALL_REPLY, step=step) == expect
+    # harmony's renderer writes the recipient before the channel: both orders are a call
+    other = CALL_REPLY.replace("<|channel|>commentary to=functions.get_weather ",
+                               " to=functions.get_weather<|channel|>commentary ")
+    assert decode_all(tok, other, step=step) == expect
+    # commentary without a recipient is a preamble to the user: content
+    assert decode_all(tok, "<|channel|>commentary<|message|>Checking.<|end|>", step=step) == ("Checking.", "", [])
+    assert decode_all(tok, "<|channel|>final<|message|>Sunny.<|return|>", step=step) == ("Sunny.", "", [])
+
+
+def test_a_forced_call_starts_inside_the_header(server):
+    from peagle_core.loading.tokenizer import tool_call_prefill
+
+    tok = server.llm.tokenizer
+    named = decode_all(tok, '{"location": "Oslo"}<|call|>', prefix=tool_call_prefill("get_weather"))
+    assert named == ("", "", [{"name": "get_weather", "arguments": '{"location": "Oslo"}'}])
+    anyone = decode_all(tok, 'get_weather<|channel|>commentary <|constrain|>json<|message|>{}<|call|>',
+                        prefix=tool_call_prefill(None))
+    assert anyone == ("", "", [{"name": "get_weather", "arguments": "{}"}])
+
+
+def scripted(server, reply: str, prompts: list[str], per_step: int = 2):
+    """A stand-in for the engine's `generate` that answers `reply` (a harmony string), `per_step` tokens a step,
+    and records each prompt it was given as text (the tiny model will not call tools by itself)."""
+    from peagle_core import CompletionOutput, RequestOutput
+
+    tok = server.llm.tokenizer
+
+    async def generate(prompt, params, request_id):
+        prompts.append(tok.decode(prompt, skip_special_tokens=False))
+        ids = tok.encode(reply)
+        for i in range(0, len(ids), per_step):
+            new, done = ids[i:i + per_step], i + per_step >= len(ids)
+            yield RequestOutput(request_id, None, list(prompt),
+                                [CompletionOutput(0, tok.decode(new), new, "stop" if done else None)], finished=done,
+                                metrics={"num_prompt_tokens": len(prompt)})
+    return generate
+
+
+def test_tool_calls_through_the_openai_client(loop, server, monkeypatch):
+    from peagle_core.loading.harmony_tools import tools_section
+
+    prompts: list[str] = []
+    monkeypatch.setattr(server.llm, "generate", scripted(server, CALL_REPLY, prompts))
+    r = chat(loop, tools=[WEATHER])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"location": "Paris"} and not choice.message.content
+    assert choice.message.model_extra["reasoning"] == "Need the weather." == choice.message.model_extra["reasoning_content"]
+    # the tools reached the prompt as harmony declares them, with the system message's tool line
+    assert tools_section([WEATHER["function"]]) in prompts[-1]
+    assert "Calls to these tools must go to the commentary channel: 'functions'." in prompts[-1]
+    assert re.search(r"Current date: \d{4}-\d\d-\d\d", prompts[-1])
+
+    async def stream():
+        async with client() as c:
+            s = await c.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER], stream=True)
+            return [chunk async for chunk in s]
+    chunks = loop.run(stream())
+    deltas = [t for ch in chunks for t in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id == call.id or deltas[0].id.startswith("call_")
+    assert deltas[0].function.name == "get_weather" and all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    # include_reasoning: false leaves reasoning out
+    r = chat(loop, tools=[WEATHER], extra_body={"include_reasoning": False})
+    assert "reasoning" not in (r.choices[0].message.model_extra or {})
+
+
+def test_multi_turn_with_tool_results_renders_back(loop, server, monkeypatch):
+    prompts: list[str] = []
+    monkeypatch.setattr(server.llm, "generate", scripted(server, "<|channel|>final<|message|>It is sunny.<|return|>",
+                                                         prompts))
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "reasoning": "Need the weather.",
+                "tool_calls": [{"id": "call_1", "type": "function",
+                                "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
+    r = chat(loop, messages=history, tools=[WEATHER])
+    assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
+    assert not r.choices[0].message.tool_calls
+    assert prompts[-1].endswith(
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
+        '{"location": "Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"sky": "sunny"}<|end|>'
+        "<|start|>assistant")
+    # a reply appended as the openai client returns it renders too (its empty fields pass)
+    again = history[:1] + [r.choices[0].message.model_dump()] + [{"role": "user", "content": "Thanks"}]
+    chat(loop, messages=again, tools=[WEATHER])
+    assert "<|start|>assistant<|channel|>final<|message|>It is sunny.<|end|>" in prompts[-1]
+
+
+def test_tool_choice(loop, server, monkeypatch):
+    from peagle_core.loading.tokenizer import tool_call_prefill
+
+    prompts: list[str] = []
+    monkeypatch.setattr(server.llm, "generate", scripted(server, '{"location": "Rome"}<|call|>', prompts))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = chat(loop, tools=[WEATHER], tool_choice=named)
+    assert prompts[-1].endswith("<|start|>assistant" + tool_call_prefill("get_weather"))
+    assert r.choices[0].message.tool_calls[0].function.arguments == '{"location": "Rome"}'
+    assert r.choices[0].finish_reason == "tool_calls"
+
+    monkeypatch.setattr(server.llm, "generate", scripted(
+        server, "get_weather<|channel|>commentary <|constrain|>json<|message|>{}<|call|>", prompts))
+    r = chat(loop, tools=[WEATHER], tool_choice="required")
+    assert prompts[-1].endswith("<|start|>assistant to=functions.")
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+    monkeypatch.setattr(server.llm, "generate", scripted(server, "<|channel|>final<|message|>Hi<|return|>", prompts))
+    assert chat(loop, tools=[WEATHER], tool_choice="none").choices[0].message.content == "Hi"
+    assert "# Tools" not in prompts[-1] and "functions" not in prompts[-1]
+    chat(loop, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False)
+    assert "namespace functions" in prompts[-1] and prompts[-1].endswith("<|start|>assistant")
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "call_9", "content": "{}"}]},
+     "messages"),
+])
+def test_bad_tool_requests_are_400s(loop, server, kw, param):
+    e = refused_by(loop, chat, max_tokens=1, **kw)
+    assert (e.body["param"] or "").startswith(param) or param in e.body["message"], e.body

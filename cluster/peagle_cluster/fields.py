@@ -76,3 +76,23 @@ def field_table(chat: type[BaseModel], completion: type[BaseModel]) -> str:
             what = f"refused{' unless ' + neutral if neutral else ''}: {meta['note']}"
         rows.append(f"| `{name}` | {'✓' if name in sc else ''} | {'✓' if name in sp else ''} | {what} |")
     return "\n".join(rows)
+
+
+def write_docs_table(path: str) -> None:
+    """Replace the field table in a markdown file with the code's (`python -m peagle_cluster.fields FILE`)."""
+    from pathlib import Path
+
+    from peagle_cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+    p = Path(path)
+    lines = p.read_text().split("\n")
+    head = lines.index("| field | chat | completions | support |")
+    end = next(i for i in range(head, len(lines)) if not lines[i].startswith("|"))
+    table = field_table(ChatCompletionRequest, CompletionRequest).split("\n")
+    p.write_text("\n".join(lines[:head] + table + lines[end:]))
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_docs_table(sys.argv[1])

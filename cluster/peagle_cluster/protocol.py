@@ -175,18 +175,43 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning: str | None = None  # assistant; rendered for the turn in progress (harmony drops older turns')
+    reasoning_content: str | None = None  # the older name of `reasoning`
+    # What the openai client sends back when a reply is appended to the history: accepted when empty
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
 
     @model_validator(mode="after")
-    def _no_tools_yet(self) -> "ChatMessage":
-        if self.tool_calls or self.tool_call_id is not None:
-            raise ValueError("tool calls in the history are not supported by this server")
+    def _roles(self) -> "ChatMessage":
+        for name in ("refusal", "annotations", "audio", "function_call"):
+            if getattr(self, name) not in (None, [], ""):
+                raise ValueError(f"`{name}` in a message is not supported by this server")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not (self.tool_call_id or self.name):
+            raise ValueError("a tool message needs the tool_call_id it answers")
         return self
 
     def text(self) -> str:
@@ -196,16 +221,60 @@ class ChatMessage(BaseModel):
             return self.content
         return "\n".join(p.text for p in self.content)  # as the chat template joins text parts
 
+    def template_message(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "reasoning", "reasoning_content"):
+            if getattr(self, key):
+                d[key] = getattr(self, key)
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return d
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("strict")
+    @classmethod
+    def _strict(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("strict function schemas need structured output, which this server has not yet")
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: _FunctionName
+
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = honoured("rendered in harmony, GPT-OSS's chat format", min_length=1,
                                            default=...)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = honoured("OpenAI's newer name of `max_tokens`")
     reasoning_effort: Literal["low", "medium", "high"] | None = honoured("written into harmony's system message")
+    include_reasoning: bool | None = honoured("vLLM's: false leaves `reasoning` out of the reply")
+    tools: list[Tool] | None = honoured("function tools, declared in harmony's developer message")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = honoured(
+        "`none` hides the tools; `auto` lets the model choose; `required` and a named function start the "
+        "reply with a call's header, so it is a call")
+    parallel_tool_calls: bool | None = honoured("either value: GPT-OSS makes one call a turn (<|call|> ends it)")
     top_logprobs: Any = refused(0, note="log-probabilities are not returned yet")
-    tools: Any = refused([], note="tool calling is not supported yet")
-    tool_choice: Any = refused("none", note="tool calling is not supported yet")
-    parallel_tool_calls: Any = refused(note="tool calling is not supported yet")
     functions: Any = refused([], note="deprecated by OpenAI; use `tools`")
     function_call: Any = refused("none", note="deprecated by OpenAI; use `tool_choice`")
     audio: Any = refused(note="text only")
@@ -220,11 +289,33 @@ class ChatCompletionRequest(_Request):
     documents: Any = refused(note="no retrieval documents")
     mm_processor_kwargs: Any = refused(note="text only")
 
+    @model_validator(mode="after")
+    def _tool_choice(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise ValueError("tool_choice `required` needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names `{choice.function.name}`, which is not in `tools`")
+        return self
+
+    def harmony_tools(self) -> list[dict[str, Any]]:
+        """The functions to declare to the model: none with tool_choice `none`."""
+        if self.tool_choice == "none":
+            return []
+        return [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or []]
+
+    def forced_call(self) -> tuple[bool, str | None]:
+        """(whether the reply must be a call, the function it must call or None for any)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required", None
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
 
     def char_length(self) -> int:
         return sum(len(m.text()) for m in self.messages)
@@ -299,10 +390,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                  use: dict[str, int], reasoning: str | None = None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+                  use: dict[str, int], reasoning: str | None = None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
     if reasoning:
-        message["reasoning_content"] = reasoning
+        message["reasoning"] = message["reasoning_content"] = reasoning  # vLLM's name, and its older one
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
             "usage": use, "system_fingerprint": None}

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from peagle_core.loading.harmony import ChatDecoder, HarmonyParser, supports_harmony
+from peagle_core.loading.tokenizer import today
 from peagle_cluster.settings import AppSettings
 from peagle_cluster.stats_board import lookup_board
 from peagle_cluster.telemetry import (ReplicaMetrics, extract_context, finished_spans, setup_tracing,
@@ -163,7 +164,7 @@ class EngineServer:
         from peagle_core.engine.async_llm import EngineDeadError, EngineError
 
         chat = req.get("kind") == "chat"
-        decoder = ChatDecoder(self.llm.tokenizer, params.stop) if chat and self._harmony else None
+        decoder = ChatDecoder(self.llm.tokenizer, params.stop, req.get("prefill", "")) if chat and self._harmony else None
         parser = HarmonyParser() if chat and not self._harmony else None
         espan = tracer().start_span("engine.generate", context=trace.set_span_in_context(parent))
         self.ongoing += 1
@@ -179,9 +180,10 @@ class EngineServer:
                     ev = {"event": "delta", "text": o.text, "num_tokens": len(o.token_ids),
                           "finish_reason": o.finish_reason}
                     if decoder is not None:
-                        ev["content"], ev["reasoning"] = decoder.push(list(o.token_ids), final=out.finished)
+                        ev["content"], ev["reasoning"], ev["tool_calls"] = decoder.push(list(o.token_ids),
+                                                                                      final=out.finished)
                     elif parser is not None:
-                        ev["content"], ev["reasoning"] = parser.feed(o.text, final=out.finished)
+                        ev["content"], ev["reasoning"], ev["tool_calls"] = parser.feed(o.text, final=out.finished)
                     yield ev
                 outcome = "ok"
             except ValueError as e:
@@ -259,8 +261,11 @@ class EngineServer:
                 raise _too_long(f"The messages have {chars} characters, more than max_model_len "
                                 f"({self.max_model_len} tokens) can hold.", "messages")
             kw = {"reasoning_effort": req["reasoning_effort"]} if req.get("reasoning_effort") else {}
+            if req.get("tools"):
+                kw["tools"] = req["tools"]
             try:
-                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, **kw)
+                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, current_date=today(),
+                                               **kw) + req.get("prefill", "")
             except TypeError:
                 raise ValueError("reasoning_effort is not supported by this model's chat template") from None
             param = "messages"

@@ -26,10 +26,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle_core.loading.tokenizer import tool_call_prefill
 from peagle_cluster import protocol as P
 from peagle_cluster.protocol import APIError
 from peagle_cluster.settings import AppSettings
 from peagle_cluster.stats_board import aggregate, get_or_create_board
+from peagle_cluster.tools import ToolCalls
 from peagle_cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
 
 log = logging.getLogger("peagle.cluster")
@@ -255,12 +257,14 @@ class Frontend:
                 span.end()
 
     async def _collect(self, rid: str, req, chat: bool, first: dict, stream, route: str, t0: float) -> Response:
-        content, reasoning, ev = [], [], first
+        content, reasoning, calls, ev = [], [], ToolCalls(), first
         try:
             while ev["event"] == "delta":
                 content.append(ev.get("content", ev["text"]) if chat else ev["text"])
                 if chat and ev.get("reasoning"):
                     reasoning.append(ev["reasoning"])
+                if chat and ev.get("tool_calls"):
+                    calls.delta(ev["tool_calls"])
                 ev = await _next_event(stream)
         except BaseException:
             stream.cancel()  # the caller went away (or we failed): stop generating for nobody
@@ -271,8 +275,9 @@ class Frontend:
         use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
         created = P.now()
         if chat:
-            body = P.chat_response(rid, self.model, created, "".join(content), ev["finish_reason"], use,
-                                   reasoning="".join(reasoning) or None)
+            body = P.chat_response(rid, self.model, created, "".join(content), calls.finish_reason(ev["finish_reason"]),
+                                   use, reasoning=("".join(reasoning) or None) if req.include_reasoning is not False
+                                   else None, tool_calls=calls.calls)
         else:
             body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use)
         self.metrics.observe(route, 200, time.perf_counter() - t0)
@@ -281,7 +286,8 @@ class Frontend:
     async def _sse(self, rid: str, req, chat: bool, first: dict, stream, span, route: str,
                    t0: float) -> AsyncIterator[bytes]:
         created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
-        ev, completed = first, False
+        ev, completed, calls = first, False, ToolCalls()
+        show_reasoning = not chat or req.include_reasoning is not False
         try:
             if chat:
                 yield P.sse(P.chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None,
@@ -290,17 +296,20 @@ class Frontend:
                 if ev["event"] == "delta":
                     if chat:
                         delta = {}
-                        if ev.get("reasoning"):
-                            delta["reasoning_content"] = ev["reasoning"]
+                        if ev.get("reasoning") and show_reasoning:
+                            delta["reasoning"] = delta["reasoning_content"] = ev["reasoning"]
                         if ev.get("content"):
                             delta["content"] = ev["content"]
+                        if ev.get("tool_calls"):
+                            delta["tool_calls"] = calls.delta(ev["tool_calls"])
                         if delta:
                             yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage))
                     elif ev["text"]:
                         yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage))
                 elif ev["event"] == "final":
                     if chat:
-                        yield P.sse(P.chat_chunk(rid, self.model, created, {}, ev["finish_reason"], include_usage))
+                        yield P.sse(P.chat_chunk(rid, self.model, created, {}, calls.finish_reason(ev["finish_reason"]),
+                                                 include_usage))
                     else:
                         yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"],
                                                        include_usage))
@@ -350,6 +359,10 @@ def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ct
         d["messages"] = req.template_messages()
         if req.reasoning_effort:
             d["reasoning_effort"] = req.reasoning_effort
+        d["tools"] = req.harmony_tools()
+        forced, name = req.forced_call()
+        if forced:  # the reply starts inside a call's header (harmony's way of requiring a call)
+            d["prefill"] = tool_call_prefill(name)
     else:
         d["prompt"] = req.single_prompt()
     return d
