@@ -326,3 +326,90 @@ def test_tool_choice(loop, server, monkeypatch):
 def test_bad_tool_requests_are_400s(loop, server, kw, param):
     e = refused_by(loop, chat, max_tokens=1, **kw)
     assert (e.body["param"] or "").startswith(param) or param in e.body["message"], e.body
+
+
+# --------------------------------------------------------------------------------------------
+# 3. /tokenize, /detokenize, /version, /metrics; per-request speculative metrics; usage details
+# --------------------------------------------------------------------------------------------
+
+def http(loop, method: str, path: str, body=None, auth: bool = True) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://peagle") as c:
+            return await c.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"} if auth else {})
+    return loop.run(go())
+
+
+def test_tokenize_and_detokenize(loop, server):
+    tok = server.llm.tokenizer
+    prompt = "The quick brown fox"
+    r = http(loop, "POST", "/tokenize", {"model": "tiny", "prompt": prompt, "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode(prompt) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert len(r["token_strs"]) == r["count"]
+    assert http(loop, "POST", "/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": prompt}
+    # chat: the ids the chat endpoint would feed the model, so the count is its usage.prompt_tokens
+    for kw in ({}, {"tools": [WEATHER], "reasoning_effort": "high"}):
+        t = http(loop, "POST", "/tokenize", {"messages": USER, **kw}).json()
+        assert t["count"] == chat(loop, max_tokens=1, **kw).usage.prompt_tokens
+    for path, body, param in (("/tokenize", {"prompt": "a", "messages": USER}, None),
+                              ("/tokenize", {"prompt": "a", "colour": 1}, "colour"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens")):
+        r = http(loop, "POST", path, body)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+        assert param is None or r.json()["error"]["param"].startswith(param)
+    assert http(loop, "POST", "/tokenize", {"prompt": "a"}, auth=False).status_code == 401
+
+
+def test_version(loop, server):
+    from importlib.metadata import version
+
+    assert http(loop, "GET", "/version").json() == {"version": version("peagle")}
+
+
+def _scrape(loop) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = http(loop, "GET", "/metrics", auth=False)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(r.text) for s in fam.samples}
+
+
+def test_metrics_use_vllms_names_and_count_what_responses_report(loop, server):
+    before = _scrape(loop)
+    label = (("model_name", "tiny"),)
+    got = lambda m, key, lab=label: m.get((key, lab), 0.0)
+    replies = [complete(loop, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}),
+               chat(loop, max_tokens=12, temperature=1, seed=3, extra_body={"ignore_eos": True})]
+    after = _scrape(loop)
+    specs = [r.model_extra["metrics"]["speculative_decoding"] for r in replies]
+    for r, s in zip(replies, specs):
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        assert s["num_spec_tokens"] == 3 and len(s["acceptance_histogram"]) == 4
+        assert sum(s["acceptance_histogram"]) == s["num_spec_steps"] > 0
+        assert sum(j * n for j, n in enumerate(s["acceptance_histogram"])) == s["num_accepted_draft_tokens"]
+        assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_draft_tokens"] / s["num_spec_steps"])
+        assert s["draft_acceptance_rate"] == pytest.approx(s["num_accepted_draft_tokens"] / s["num_draft_tokens"])
+    delta = lambda key: got(after, key) - got(before, key)
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == sum(s["num_accepted_draft_tokens"] for s in specs)
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == sum(s["num_draft_tokens"] for s in specs)
+    assert delta("vllm:spec_decode_num_drafts_total") == sum(s["num_spec_steps"] for s in specs)
+    assert delta("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
+    assert delta("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r in replies) == 24
+    assert delta("vllm:time_to_first_token_seconds_count") == 2 == delta("vllm:e2e_request_latency_seconds_count")
+    length = (("finished_reason", "length"),) + label
+    assert got(after, "vllm:request_success_total", length) - got(before, "vllm:request_success_total", length) == 2
+    assert 0.0 <= got(after, "vllm:kv_cache_usage_perc") <= 1.0
+    assert ("vllm:num_requests_running", label) in after and ("vllm:num_requests_waiting", label) in after
+
+
+def test_streams_carry_speculative_metrics_and_usage_details(loop, server):
+    async def go():
+        async with client() as c:
+            s = await c.completions.create(model="tiny", prompt="Once", max_tokens=8, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            return [chunk async for chunk in s]
+    chunks = loop.run(go())
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0

@@ -353,12 +353,46 @@ class CompletionRequest(_Request):
         return len(self.prompt) if isinstance(self.prompt, str) else 0
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a completion prompt, or chat messages rendered as chat renders them."""
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # GPT-OSS's tokenizer adds none either way
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+    def replica_request(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"return_token_strs": self.return_token_strs}
+        if self.prompt is not None:
+            return d | {"kind": "completion", "prompt": self.prompt}
+        d |= {"kind": "chat", "messages": [m.template_message() for m in self.messages],
+              "add_generation_prompt": self.add_generation_prompt,
+              "tools": [t.function.model_dump(exclude_none=True, exclude={"strict"}) for t in self.tools or []]}
+        return d | ({"reasoning_effort": self.reasoning_effort} if self.reasoning_effort else {})
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
 
-def parse_request(cls: type[_Request], raw: bytes) -> _Request:
+def parse_request(cls: type[BaseModel], raw: bytes) -> BaseModel:
     """Bytes -> request model, every failure as a 400 APIError (malformed JSON, non-object, bad field)."""
     try:
         data = json.loads(raw)
@@ -371,7 +405,7 @@ def parse_request(cls: type[_Request], raw: bytes) -> _Request:
         req = cls.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
-    if (refused_field := refusal(req)) is not None:
+    if issubclass(cls, _Request) and (refused_field := refusal(req)) is not None:
         raise APIError(400, refused_field[1], param=refused_field[0], code="unsupported_parameter")
     return req
 
@@ -384,9 +418,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,

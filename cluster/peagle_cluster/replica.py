@@ -260,15 +260,7 @@ class EngineServer:
             if chars > limit_chars:
                 raise _too_long(f"The messages have {chars} characters, more than max_model_len "
                                 f"({self.max_model_len} tokens) can hold.", "messages")
-            kw = {"reasoning_effort": req["reasoning_effort"]} if req.get("reasoning_effort") else {}
-            if req.get("tools"):
-                kw["tools"] = req["tools"]
-            try:
-                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, current_date=today(),
-                                               **kw) + req.get("prefill", "")
-            except TypeError:
-                raise ValueError("reasoning_effort is not supported by this model's chat template") from None
-            param = "messages"
+            text, param = self._chat_text(req), "messages"
         else:
             prompt = req["prompt"]
             if not isinstance(prompt, str):
@@ -282,6 +274,38 @@ class EngineServer:
         ids = await asyncio.to_thread(tok.encode, text) if len(text) > _THREAD_TOKENIZE_CHARS else tok.encode(text)
         self._check_len(len(ids), req, param)
         return list(ids)
+
+    def _chat_text(self, req: dict[str, Any]) -> str:
+        """A chat request's prompt: harmony with today's date, its tools, and any forced call's header."""
+        kw = {"reasoning_effort": req["reasoning_effort"]} if req.get("reasoning_effort") else {}
+        if req.get("tools"):
+            kw["tools"] = req["tools"]
+        try:
+            text = self.llm.tokenizer.apply_chat_template(req["messages"], add_generation_prompt=req.get(
+                "add_generation_prompt", True), current_date=today(), **kw)
+        except TypeError:
+            raise ValueError("reasoning_effort is not supported by this model's chat template") from None
+        return text + req.get("prefill", "")
+
+    async def tokenize(self, req: dict[str, Any]) -> dict[str, Any]:
+        """`/tokenize`: the ids a prompt (or chat, rendered as `generate` renders it) becomes."""
+        tok = self.llm.tokenizer
+        try:
+            text = self._chat_text(req) if req.get("kind") == "chat" else req["prompt"]
+            if len(text) > self.max_model_len * self.max_chars_per_token:
+                raise ValueError(f"The text has {len(text)} characters, more than max_model_len "
+                                 f"({self.max_model_len} tokens) can hold.")
+            ids = await asyncio.to_thread(tok.encode, text)
+        except ValueError as e:
+            return _error(400, str(e), param="messages" if req.get("kind") == "chat" else "prompt")
+        strs = [tok.backend.id_to_token(i) for i in ids] if req.get("return_token_strs") else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, req: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return {"prompt": self.llm.tokenizer.decode(req["tokens"])}
+        except ValueError as e:
+            return _error(400, str(e), param="tokens")
 
     def _check_len(self, n: int, req: dict[str, Any], param: str) -> None:
         if n >= self.max_model_len:

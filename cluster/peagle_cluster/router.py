@@ -31,6 +31,7 @@ from peagle_cluster import protocol as P
 from peagle_cluster.protocol import APIError
 from peagle_cluster.settings import AppSettings
 from peagle_cluster.stats_board import aggregate, get_or_create_board
+from peagle_cluster.metrics_vllm import CONTENT_TYPE, VLLMMetrics, speculative_decoding
 from peagle_cluster.tools import ToolCalls
 from peagle_cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
 
@@ -118,6 +119,43 @@ async def cluster_stats(request: Request) -> Response:
     return JSONResponse(await f.cluster_stats())
 
 
+@api.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    """vLLM's: the token ids of a prompt or of chat messages (rendered as chat renders them)."""
+    f = _frontend(request)
+    f.authenticate(request)
+    req = P.parse_request(P.TokenizeRequest, await f.read_body(request))
+    f.check_model(req.model)
+    return JSONResponse(await f.replica_call("tokenize", req.replica_request()))
+
+
+@api.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    f = _frontend(request)
+    f.authenticate(request)
+    req = P.parse_request(P.DetokenizeRequest, await f.read_body(request))
+    f.check_model(req.model)
+    return JSONResponse(await f.replica_call("detokenize", {"tokens": req.tokens}))
+
+
+@api.get("/version")
+async def version(request: Request) -> Response:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        v = dist_version("peagle")
+    except PackageNotFoundError:
+        v = "unknown"
+    return JSONResponse({"version": v})
+
+
+@api.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text with vLLM's metric names (peagle_cluster.metrics_vllm); no API key, as vLLM's."""
+    f = _frontend(request)
+    return Response(f.vllm_metrics.render(await f.cluster_stats()), media_type=CONTENT_TYPE)
+
+
 @api.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     return await _frontend(request).complete(request, chat=True)
@@ -145,6 +183,9 @@ class Frontend:
         key = settings.resolved_api_key()
         self._key_hash = hashlib.sha256(key.encode()).digest() if key else None
         self.metrics = RouterMetrics(self.model)
+        self.vllm_metrics = VLLMMetrics(self.model)
+        cfg = settings.engine
+        self.num_spec_tokens = cfg.num_spec_tokens if cfg.spec_mode != "none" else 0
         self._info: dict[str, Any] | None = None
         self.created = int(time.time())
 
@@ -188,6 +229,16 @@ class Frontend:
         info = await self.info()
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "peagle",
                 "root": self.settings.engine_args.get("model"), "max_model_len": info["max_model_len"]}
+
+    async def replica_call(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """One unary call to a replica; its error dict becomes the API error."""
+        try:
+            out = await getattr(self.engine, method).remote(payload)
+        except Exception as e:
+            raise _ray_error(e) from None
+        if out.get("event") == "error":
+            raise APIError(out["status"], out["message"], out.get("param"), out.get("code"))
+        return out
 
     async def cluster_stats(self) -> dict[str, Any]:
         if self.board is not None:
@@ -257,9 +308,11 @@ class Frontend:
                 span.end()
 
     async def _collect(self, rid: str, req, chat: bool, first: dict, stream, route: str, t0: float) -> Response:
-        content, reasoning, calls, ev = [], [], ToolCalls(), first
+        content, reasoning, calls, ev, t_first = [], [], ToolCalls(), first, None
         try:
             while ev["event"] == "delta":
+                if t_first is None and ev.get("num_tokens"):
+                    t_first = time.perf_counter()
                 content.append(ev.get("content", ev["text"]) if chat else ev["text"])
                 if chat and ev.get("reasoning"):
                     reasoning.append(ev["reasoning"])
@@ -272,7 +325,7 @@ class Frontend:
         if ev["event"] == "error":
             raise APIError(ev["status"], ev["message"], ev.get("param"), ev.get("code"))
         await _finish(stream)
-        use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
+        use, extra = self._finished(ev, t0, t_first)
         created = P.now()
         if chat:
             body = P.chat_response(rid, self.model, created, "".join(content), calls.finish_reason(ev["finish_reason"]),
@@ -281,12 +334,21 @@ class Frontend:
         else:
             body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use)
         self.metrics.observe(route, 200, time.perf_counter() - t0)
-        return JSONResponse(body)
+        return JSONResponse(body | extra)
+
+    def _finished(self, ev: dict[str, Any], t0: float, t_first: float | None) -> tuple[dict, dict]:
+        """A request's final event -> its `usage`, the response's extra keys (vLLM's `metrics`), and /metrics."""
+        u = ev["usage"]
+        use = P.usage(u["prompt_tokens"], u["completion_tokens"], u.get("cached_tokens", 0))
+        self.vllm_metrics.observe(None if t_first is None else t_first - t0, time.perf_counter() - t0,
+                                  u["prompt_tokens"], u["completion_tokens"], ev["finish_reason"], ev.get("spec"))
+        spec = speculative_decoding(ev.get("spec"), self.num_spec_tokens)
+        return use, ({"metrics": {"speculative_decoding": spec}} if spec is not None else {})
 
     async def _sse(self, rid: str, req, chat: bool, first: dict, stream, span, route: str,
                    t0: float) -> AsyncIterator[bytes]:
         created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
-        ev, completed, calls = first, False, ToolCalls()
+        ev, completed, calls, t_first = first, False, ToolCalls(), None
         show_reasoning = not chat or req.include_reasoning is not False
         try:
             if chat:
@@ -294,6 +356,8 @@ class Frontend:
                                          include_usage))
             while True:
                 if ev["event"] == "delta":
+                    if t_first is None and ev.get("num_tokens"):
+                        t_first = time.perf_counter()
                     if chat:
                         delta = {}
                         if ev.get("reasoning") and show_reasoning:
@@ -307,14 +371,14 @@ class Frontend:
                     elif ev["text"]:
                         yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage))
                 elif ev["event"] == "final":
+                    use, extra = self._finished(ev, t0, t_first)
                     if chat:
-                        yield P.sse(P.chat_chunk(rid, self.model, created, {}, calls.finish_reason(ev["finish_reason"]),
-                                                 include_usage))
+                        last = P.chat_chunk(rid, self.model, created, {}, calls.finish_reason(ev["finish_reason"]),
+                                            include_usage)
                     else:
-                        yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"],
-                                                       include_usage))
+                        last = P.completion_chunk(rid, self.model, created, "", ev["finish_reason"], include_usage)
+                    yield P.sse(last | extra)  # vLLM's per-request metrics ride on the finish chunk
                     if include_usage:
-                        use = P.usage(ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"])
                         yield P.sse(P.usage_chunk(rid, self.model, created, obj, use))
                     completed = True
                     await _finish(stream)
