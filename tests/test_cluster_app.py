@@ -253,7 +253,7 @@ BAD = [
     ("top-k-zero", "/v1/completions", {"prompt": "a", "top_k": 0}, None, 400, "top_k", None),
     ("max-tokens-zero", "/v1/completions", {"prompt": "a", "max_tokens": 0}, None, 400, "max_tokens", None),
     ("n-two", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, None, 400, "n", None),
-    ("logprobs", "/v1/completions", {"prompt": "a", "logprobs": 3}, None, 400, "logprobs", None),
+    ("logprobs-over-20", "/v1/completions", {"prompt": "a", "logprobs": 21}, None, 400, "logprobs", None),
     ("five-stops", "/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", None),
     ("out-of-vocab-id", "/v1/completions", {"prompt": [10**9]}, None, 400, None, None),
     ("prompt-too-many-tokens", "/v1/completions", {"prompt": " ".join(map(str, range(400)))}, None, 400, "prompt",

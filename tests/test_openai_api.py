@@ -413,3 +413,57 @@ def test_streams_carry_speculative_metrics_and_usage_details(loop, server):
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and finish[0].model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+# --------------------------------------------------------------------------------------------
+# 4. logprobs / top_logprobs (their values: tests/test_logprobs.py)
+# --------------------------------------------------------------------------------------------
+
+def test_logprobs_on_completions_and_chat(loop, server):
+    from peagle_core import LLM, SamplingParams
+
+    tok = server.llm.tokenizer
+    prompt = tok.encode("Once upon a time")
+    offline = LLM("tiny", device="cpu", dtype="float32", max_model_len=256,
+                  speculative_config=ARGS["speculative_config"]).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True))[0].outputs[0]
+    r = complete(loop, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    table = tok.token_bytes(False)
+    assert lp.tokens == [table[i].decode("utf-8", "replace") for i in offline.token_ids]
+    assert lp.token_logprobs == pytest.approx([d[i].logprob for i, d in zip(offline.token_ids, offline.logprobs)],
+                                              abs=1e-4)
+    assert all(len(t) == 2 and max(t.values()) == pytest.approx(v, abs=1e-6)
+               for t, v in zip(lp.top_logprobs, lp.token_logprobs))  # greedy: the emitted token is the top one
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(10)] and "".join(lp.tokens) == r.choices[0].text
+
+    async def stream():
+        async with client() as c:
+            s = await c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                           stream=True, extra_body={"ignore_eos": True})
+            return [ch async for ch in s]
+    chunks = loop.run(stream())
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    offsets = [o for ch in chunks if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert streamed == lp.token_logprobs and offsets == lp.text_offset
+
+    c = chat(loop, max_tokens=6, temperature=0.7, seed=5, logprobs=True, top_logprobs=3)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and bytes(e.bytes).decode("utf-8", "replace") == e.token
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-6
+    assert chat(loop, max_tokens=2).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("fn,kw,param", [
+    (chat, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (chat, {"top_logprobs": 2}, None),
+    (chat, {"extra_body": {"logprobs": 3}}, None),
+    (complete, {"extra_body": {"logprobs": True}}, "logprobs"),
+    (complete, {"logprobs": 21}, "logprobs"),
+])
+def test_bad_logprobs_requests_are_400s(loop, server, fn, kw, param):
+    e = refused_by(loop, fn, max_tokens=1, **kw)
+    assert param is None or (e.body["param"] or "").startswith(param), e.body

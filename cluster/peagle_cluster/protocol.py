@@ -46,6 +46,13 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code if code is not None else status}}
 
 
+def _union_tag(part: Any) -> bool:
+    """pydantic's name for a union member or validator in an error's location ("bool", "constrained-int",
+    "function-after[...]", "list[str]"): not part of the field's path."""
+    p = str(part)
+    return p in ("str", "int", "bool", "float", "list", "dict", "none") or "-" in p or "[" in p
+
+
 def validation_error(e: ValidationError) -> APIError:
     """pydantic's report as a 400 naming the first bad field; never echoes Python internals."""
     errs = e.errors(include_url=False, include_context=False)
@@ -55,7 +62,7 @@ def validation_error(e: ValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {where}", param=where,
                         code="unsupported_parameter")
     first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-    param = ".".join(str(x) for x in first["loc"] if not str(x).startswith("function-")) or None
+    param = ".".join(str(x) for x in first["loc"] if not _union_tag(x)) or None
     msgs = []
     for err in errs[:5]:
         loc = ".".join(str(x) for x in err["loc"]) or "body"
@@ -95,7 +102,9 @@ class _Request(BaseModel):
     use_beam_search: Any = refused(False, note="no beam search")
     length_penalty: Any = refused(1, note="beam search only")
     echo: Any = refused(False, note="the prompt is not echoed")
-    logprobs: Any = refused(False, 0, note="log-probabilities are not returned yet")
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = honoured(
+        "from the target's processed distribution (after temperature, top-k, top-p), drafted or not; chat: "
+        "`true`, completions: the number of most likely tokens to add (<= 20)")
     prompt_logprobs: Any = refused(0, note="prompt log-probabilities are not returned")
     presence_penalty: Any = refused(0, note=_NOT_EXACT)
     frequency_penalty: Any = refused(0, note=_NOT_EXACT)
@@ -143,9 +152,15 @@ class _Request(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens to return besides each emitted one's; None: no log-probabilities."""
+        return None if self.logprobs is None or isinstance(self.logprobs, bool) else self.logprobs
+
     def sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
         """The request as `SamplingParams` keyword arguments (vLLM names); unset fields keep defaults."""
         kw: dict[str, Any] = {"max_tokens": self.requested_max_tokens() or default_max_tokens}
+        if (n := self.num_logprobs()) is not None:
+            kw["logprobs"] = n
         for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos"):
             v = getattr(self, name)
             if v is not None:
@@ -274,7 +289,7 @@ class ChatCompletionRequest(_Request):
         "`none` hides the tools; `auto` lets the model choose; `required` and a named function start the "
         "reply with a call's header, so it is a call")
     parallel_tool_calls: bool | None = honoured("either value: GPT-OSS makes one call a turn (<|call|> ends it)")
-    top_logprobs: Any = refused(0, note="log-probabilities are not returned yet")
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = honoured("with `logprobs: true`, 0 to 20")
     functions: Any = refused([], note="deprecated by OpenAI; use `tools`")
     function_call: Any = refused("none", note="deprecated by OpenAI; use `tool_choice`")
     audio: Any = refused(note="text only")
@@ -288,6 +303,17 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: Any = refused({}, note="GPT-OSS's harmony format is fixed; use `reasoning_effort`")
     documents: Any = refused(note="no retrieval documents")
     mm_processor_kwargs: Any = refused(note="text only")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs is True else None
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> "ChatCompletionRequest":
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ValueError("logprobs must be a boolean in chat (the count goes in top_logprobs)")
+        if self.top_logprobs and self.logprobs is not True:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @model_validator(mode="after")
     def _tool_choice(self) -> "ChatCompletionRequest":
@@ -345,6 +371,13 @@ class CompletionRequest(_Request):
                 raise ValueError("a token-id prompt must be a list of non-negative integers")
             return list(p)
         raise ValueError("prompt must be a string or a list of token ids")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("logprobs must be an integer in completions (how many most likely tokens to add)")
+        return v
 
     def single_prompt(self) -> str | list[int]:
         return self.prompt
@@ -426,40 +459,56 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
                   use: dict[str, int], reasoning: str | None = None,
-                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  tool_calls: list[dict[str, Any]] | None = None, logprobs: Any = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
     if reasoning:
         message["reasoning"] = message["reasoning_content"] = reasoning  # vLLM's name, and its older one
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": use, "system_fingerprint": None}
 
 
 def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                        use: dict[str, int]) -> dict[str, Any]:
+                        use: dict[str, int], logprobs: Any = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": use, "system_fingerprint": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None,
-               include_usage: bool) -> dict[str, Any]:
+               include_usage: bool, logprobs: Any = None) -> dict[str, Any]:
     c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         c["usage"] = None  # OpenAI: null on every chunk but the last, which carries it with no choices
     return c
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                     include_usage: bool) -> dict[str, Any]:
+                     include_usage: bool, logprobs: Any = None) -> dict[str, Any]:
     c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+         "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         c["usage"] = None
     return c
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI chat's `logprobs` from the replica's entries ({"token", "logprob", "bytes", "top_logprobs"})."""
+    return {"content": entries}
+
+
+def completion_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """OpenAI completions' (legacy) `logprobs`: parallel lists; `offset` is where these tokens' text starts."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, use: dict[str, int]) -> dict[str, Any]:

@@ -179,6 +179,8 @@ class EngineServer:
                     n_out += len(o.token_ids)
                     ev = {"event": "delta", "text": o.text, "num_tokens": len(o.token_ids),
                           "finish_reason": o.finish_reason}
+                    if o.logprobs is not None:
+                        ev["logprobs"] = self._logprob_entries(o.token_ids, o.logprobs, params.logprobs)
                     if decoder is not None:
                         ev["content"], ev["reasoning"], ev["tool_calls"] = decoder.push(list(o.token_ids),
                                                                                       final=out.finished)
@@ -286,6 +288,21 @@ class EngineServer:
         except TypeError:
             raise ValueError("reasoning_effort is not supported by this model's chat template") from None
         return text + req.get("prefill", "")
+
+    def _logprob_entries(self, ids: list[int], logprobs: list[dict], n: int) -> list[dict[str, Any]]:
+        """The engine's {token_id: Logprob} per token -> OpenAI's entries: token text, log-probability (a
+        token top-k/top-p filtered out has -inf, which JSON lacks: OpenAI's -9999.0), UTF-8 bytes, top n."""
+        table = self.llm.tokenizer.token_bytes(False)
+
+        def entry(i: int, lp: float) -> dict[str, Any]:
+            b = table[i] if table is not None else self.llm.tokenizer.decode([i], False).encode()
+            return {"token": b.decode("utf-8", "replace"), "logprob": max(lp, -9999.0), "bytes": list(b)}
+
+        out = []
+        for i, d in zip(ids, logprobs):
+            top = sorted(d.items(), key=lambda kv: kv[1].rank)[:n]
+            out.append(entry(i, d[i].logprob) | {"top_logprobs": [entry(t, lp.logprob) for t, lp in top]})
+        return out
 
     async def tokenize(self, req: dict[str, Any]) -> dict[str, Any]:
         """`/tokenize`: the ids a prompt (or chat, rendered as `generate` renders it) becomes."""

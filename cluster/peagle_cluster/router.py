@@ -308,9 +308,10 @@ class Frontend:
                 span.end()
 
     async def _collect(self, rid: str, req, chat: bool, first: dict, stream, route: str, t0: float) -> Response:
-        content, reasoning, calls, ev, t_first = [], [], ToolCalls(), first, None
+        content, reasoning, calls, ev, t_first, lps = [], [], ToolCalls(), first, None, []
         try:
             while ev["event"] == "delta":
+                lps += ev.get("logprobs") or []
                 if t_first is None and ev.get("num_tokens"):
                     t_first = time.perf_counter()
                 content.append(ev.get("content", ev["text"]) if chat else ev["text"])
@@ -330,9 +331,11 @@ class Frontend:
         if chat:
             body = P.chat_response(rid, self.model, created, "".join(content), calls.finish_reason(ev["finish_reason"]),
                                    use, reasoning=("".join(reasoning) or None) if req.include_reasoning is not False
-                                   else None, tool_calls=calls.calls)
+                                   else None, tool_calls=calls.calls,
+                                   logprobs=P.chat_logprobs(lps) if req.num_logprobs() is not None else None)
         else:
-            body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use)
+            body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use,
+                                         P.completion_logprobs(lps) if req.num_logprobs() is not None else None)
         self.metrics.observe(route, 200, time.perf_counter() - t0)
         return JSONResponse(body | extra)
 
@@ -348,7 +351,7 @@ class Frontend:
     async def _sse(self, rid: str, req, chat: bool, first: dict, stream, span, route: str,
                    t0: float) -> AsyncIterator[bytes]:
         created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
-        ev, completed, calls, t_first = first, False, ToolCalls(), None
+        ev, completed, calls, t_first, offset = first, False, ToolCalls(), None, 0
         show_reasoning = not chat or req.include_reasoning is not False
         try:
             if chat:
@@ -366,10 +369,13 @@ class Frontend:
                             delta["content"] = ev["content"]
                         if ev.get("tool_calls"):
                             delta["tool_calls"] = calls.delta(ev["tool_calls"])
-                        if delta:
-                            yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage))
-                    elif ev["text"]:
-                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage))
+                        lp = P.chat_logprobs(ev["logprobs"]) if ev.get("logprobs") else None
+                        if delta or lp:
+                            yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage, lp))
+                    elif ev["text"] or ev.get("logprobs"):
+                        lp = P.completion_logprobs(ev["logprobs"], offset) if ev.get("logprobs") else None
+                        offset += len(ev["text"])
+                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage, lp))
                 elif ev["event"] == "final":
                     use, extra = self._finished(ev, t0, t_first)
                     if chat:

@@ -55,7 +55,7 @@ def to_output(req: Request, tokenizer) -> RequestOutput:
     cut = stop_string_match(text, req.params.stop)
     text = text if cut is None else text[:cut]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                         [CompletionOutput(0, text, ids, req.finish_reason)], finished=req.finished,
+                         [CompletionOutput(0, text, ids, req.finish_reason, req.logprobs)], finished=req.finished,
                          spec_decode_stats=req.stats,
                          metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time or 0.0,
                                   "finished_time": req.finished_time or 0.0, "num_preemptions": req.num_preemptions,

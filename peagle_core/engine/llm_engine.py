@@ -37,6 +37,7 @@ class Update:
     req: Request
     new_token_ids: list[int]
     new_text: str
+    new_logprobs: list[dict] | None = None  # with params.logprobs: one {token_id: Logprob} per new token
 
 
 def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -281,7 +282,8 @@ class LLMEngine:
         self.last_k, self.num_steps = k, self.num_steps + 1
         now = time.monotonic()
         updates, accepted = [], []
-        for s, toks, acc, drafts in zip(batch, result.tokens, result.num_accepted, result.drafts):
+        lps = result.logprobs or [None] * len(batch)
+        for s, toks, acc, drafts, lp in zip(batch, result.tokens, result.num_accepted, result.drafts, lps):
             req = s.req
             if not s.samples:
                 req.num_computed += s.num_new
@@ -295,10 +297,15 @@ class LLMEngine:
                 accepted.append((s.num_drafts, acc))
             req.first_token_time = req.first_token_time or now
             new = self._append(req, toks)
+            if lp is not None:
+                lp = lp[:len(new)]  # a stop token or the length limit may have cut the step's tokens
+                if req.logprobs is None:
+                    req.logprobs = []
+                req.logprobs.extend(lp)
             text, stopped = self.texts[req.request_id].update(req)
             if stopped and not req.finished:
                 self.scheduler.finish(req, "stop")
-            updates.append(Update(req, new, text))
+            updates.append(Update(req, new, text, lp))
         # a step that captured a graph (a shape first met) timed the capture, not the step
         timed = graphs is None or graphs.num_graphs == num_graphs
         self.policy.observe(info, StepOutcome(k, accepted, step_time, sum(s.num_tokens for s in batch), timed,

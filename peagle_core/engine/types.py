@@ -14,6 +14,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # per emitted token: its log-probability and this many most likely (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -30,6 +31,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
 
@@ -78,6 +81,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    logprobs: list[dict] | None = None  # with SamplingParams.logprobs: {token_id: Logprob} per token (vLLM's)
 
 
 @dataclass
