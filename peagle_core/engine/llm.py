@@ -41,6 +41,32 @@ class LLM:
         return [to_output(r, self.engine.tokenizer) for r in reqs]
 
 
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False, *, tools: list[dict] | None = None, reasoning_effort: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or several, rendered in harmony as the
+        server renders them (with today's date and `tools`). Each output's `text` is the reply's content
+        (final channel); its `reasoning` is the analysis channel and `tool_calls` the calls it made, as
+        {"name", "arguments"}."""
+        from peagle_core.loading.harmony import ChatDecoder
+        from peagle_core.loading.tokenizer import today
+
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer.json: chat needs one")
+        one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
+        conversations = [messages] if one else list(messages)
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(
+            conv, add_generation_prompt, reasoning_effort, tools=tools, current_date=today())) for conv in conversations]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        stops = (sampling_params or SamplingParams()).stop
+        for o in outs:
+            c = o.outputs[0]
+            d = ChatDecoder(self.tokenizer, stops).push(c.token_ids, final=True)
+            c.text, c.reasoning = d.content, d.reasoning
+            c.tool_calls = [{"name": t["name"], "arguments": t["arguments"]} for t in d.tool_calls]
+        return outs
+
+
 def normalize_prompts(prompts) -> list[str | list[int]]:
     if isinstance(prompts, str):
         return [prompts]

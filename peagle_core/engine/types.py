@@ -82,6 +82,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     logprobs: list[dict] | None = None  # with SamplingParams.logprobs: {token_id: Logprob} per token (vLLM's)
+    reasoning: str | None = None  # LLM.chat: the harmony reply's analysis channel (`text` is its content)
+    tool_calls: list[dict] | None = None  # LLM.chat: the calls the reply made, {"name", "arguments"}
 
 
 @dataclass
