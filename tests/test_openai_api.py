@@ -16,34 +16,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from peagle_cluster import protocol as P
 from peagle_cluster.fields import field_table, support
-from peagle_cluster.replica import EngineServer
-from peagle_cluster.router import Frontend, api, install_frontend
-from peagle_cluster.settings import parse_app_args
-from test_cluster_app import ARGS, KEY, LocalHandle, Loop
+from peagle_cluster.router import api
+from test_cluster_app import ARGS, KEY, loop, server  # noqa: F401  (the in-process app's fixtures)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cluster.md"
 USER = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = Loop()
-    yield lp
-    lp.close()
-
-
-@pytest.fixture(scope="module")
-def server(loop):
-    settings = parse_app_args(ARGS)
-
-    async def make():
-        srv = EngineServer(settings.model_dump(), replica_id="replica-under-test")
-        install_frontend(Frontend(settings, LocalHandle(srv)))
-        return srv
-
-    srv = loop.run(make())
-    yield srv
-    srv.shutdown()
 
 
 def client() -> openai.AsyncOpenAI:

@@ -122,20 +122,12 @@ async def cluster_stats(request: Request) -> Response:
 @api.post("/tokenize")
 async def tokenize(request: Request) -> Response:
     """vLLM's: the token ids of a prompt or of chat messages (rendered as chat renders them)."""
-    f = _frontend(request)
-    f.authenticate(request)
-    req = P.parse_request(P.TokenizeRequest, await f.read_body(request))
-    f.check_model(req.model)
-    return JSONResponse(await f.replica_call("tokenize", req.replica_request()))
+    return await _frontend(request).unary(request, P.TokenizeRequest, "tokenize", lambda r: r.replica_request())
 
 
 @api.post("/detokenize")
 async def detokenize(request: Request) -> Response:
-    f = _frontend(request)
-    f.authenticate(request)
-    req = P.parse_request(P.DetokenizeRequest, await f.read_body(request))
-    f.check_model(req.model)
-    return JSONResponse(await f.replica_call("detokenize", {"tokens": req.tokens}))
+    return await _frontend(request).unary(request, P.DetokenizeRequest, "detokenize", lambda r: {"tokens": r.tokens})
 
 
 @api.get("/version")
@@ -230,15 +222,19 @@ class Frontend:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "peagle",
                 "root": self.settings.engine_args.get("model"), "max_model_len": info["max_model_len"]}
 
-    async def replica_call(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """One unary call to a replica; its error dict becomes the API error."""
+    async def unary(self, request: Request, model, method: str, payload) -> Response:
+        """A request answered by one replica call (`payload(req)` is what the replica gets); the replica's
+        error dict becomes the API error."""
+        self.authenticate(request)
+        req = P.parse_request(model, await self.read_body(request))
+        self.check_model(req.model)
         try:
-            out = await getattr(self.engine, method).remote(payload)
+            out = await getattr(self.engine, method).remote(payload(req))
         except Exception as e:
             raise _ray_error(e) from None
         if out.get("event") == "error":
             raise APIError(out["status"], out["message"], out.get("param"), out.get("code"))
-        return out
+        return JSONResponse(out)
 
     async def cluster_stats(self) -> dict[str, Any]:
         if self.board is not None:
