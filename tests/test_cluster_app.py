@@ -222,10 +222,10 @@ def test_models_health_and_unknown_fields(loop, server):
     assert call(loop, "GET", "/v1/models/tiny").json()["id"] == "tiny"
     assert call(loop, "GET", "/health", headers={}).json()["status"] == "ok"  # no key needed
     # A field at its neutral value passes; anything else is refused by name (tests/test_openai_api.py).
-    r = call(loop, "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 2, "frequency_penalty": 0.0})
+    r = call(loop, "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 2, "best_of": 1})
     assert r.status_code == 200, r.text
-    assert_envelope(call(loop, "POST", "/v1/completions", {"prompt": "a b", "presence_penalty": 0.1}), 400,
-                    "presence_penalty", "unsupported_parameter")
+    assert_envelope(call(loop, "POST", "/v1/completions", {"prompt": "a b", "best_of": 2}), 400,
+                    "best_of", "unsupported_parameter")
 
 
 # --------------------------------------------------------------------------------------------

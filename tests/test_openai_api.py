@@ -444,3 +444,23 @@ def test_logprobs_on_completions_and_chat(loop, server):
 def test_bad_logprobs_requests_are_400s(loop, server, fn, kw, param):
     e = refused_by(loop, fn, max_tokens=1, **kw)
     assert param is None or (e.body["param"] or "").startswith(param), e.body
+
+
+def test_penalties_reach_the_engine(loop, server):
+    from peagle_core import LLM, SamplingParams
+
+    tok = server.llm.tokenizer
+    prompt = tok.encode("The quick brown fox")
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.3, logit_bias={280: -5.0}, min_tokens=2)
+    offline = LLM("tiny", device="cpu", dtype="float32", max_model_len=256).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **kw))[0].outputs[0]
+    body = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "min_tokens": 2, "ignore_eos": True}
+    r = complete(loop, prompt=prompt, max_tokens=16, temperature=0, logit_bias={"280": -5}, extra_body=body)
+    assert r.choices[0].text == offline.text
+    assert r.choices[0].text != complete(loop, prompt=prompt, max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    for bad, param in (({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+                       ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                       ({"logit_bias": {"99999999": 1}}, None)):
+        e = refused_by(loop, complete, max_tokens=1, extra_body=bad)
+        assert param is None or (e.body["param"] or "").startswith(param), e.body

@@ -75,7 +75,7 @@ def validation_error(e: ValidationError) -> APIError:
 # Requests
 # --------------------------------------------------------------------------------------------
 
-_NOT_EXACT = "not yet applied exactly under speculative verification, so refused rather than answered wrong"
+_EXACT = "exact under speculative verification (each verified position uses its own history)"
 _NO_STRUCTURED = "no structured output yet"
 
 
@@ -106,14 +106,16 @@ class _Request(BaseModel):
         "from the target's processed distribution (after temperature, top-k, top-p), drafted or not; chat: "
         "`true`, completions: the number of most likely tokens to add (<= 20)")
     prompt_logprobs: Any = refused(0, note="prompt log-probabilities are not returned")
-    presence_penalty: Any = refused(0, note=_NOT_EXACT)
-    frequency_penalty: Any = refused(0, note=_NOT_EXACT)
-    repetition_penalty: Any = refused(1, note=_NOT_EXACT)
-    min_p: Any = refused(0, note=_NOT_EXACT)
-    min_tokens: Any = refused(0, note=_NOT_EXACT)
-    logit_bias: Any = refused({}, note=_NOT_EXACT)
-    allowed_token_ids: Any = refused(note=_NOT_EXACT)
-    bad_words: Any = refused([], note=_NOT_EXACT)
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = honoured(_EXACT + "; on the output so far")
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = honoured(_EXACT + "; on the output so far")
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = honoured(_EXACT + "; vLLM's, on prompt and output")
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = honoured(_EXACT + "; vLLM's")
+    min_tokens: Annotated[int, Field(ge=0)] | None = honoured(
+        _EXACT + "; vLLM's: end-of-turn and `stop_token_ids` are held back until then (stop strings are not)")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = honoured(
+        _EXACT + "; token id (a string, as OpenAI writes it) -> bias in [-100, 100]")
+    allowed_token_ids: Any = refused(note="not implemented (use `logit_bias`)")
+    bad_words: Any = refused([], note="not implemented (use `logit_bias`)")
     logits_processors: Any = refused([], note="no custom logits processors")
     response_format: Any = refused({"type": "text"}, note=_NO_STRUCTURED)
     structured_outputs: Any = refused(note=_NO_STRUCTURED)
@@ -140,6 +142,13 @@ class _Request(BaseModel):
     metadata: Any = refused({}, note="nothing is stored (metadata goes with `store`)")
     service_tier: Any = refused("auto", "default", note="one service tier")
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v and not all(t.isdigit() for t in v):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers written as strings)")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
@@ -161,10 +170,13 @@ class _Request(BaseModel):
         kw: dict[str, Any] = {"max_tokens": self.requested_max_tokens() or default_max_tokens}
         if (n := self.num_logprobs()) is not None:
             kw["logprobs"] = n
-        for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos"):
+        for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_p", "min_tokens"):
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
+        if self.logit_bias:
+            kw["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
         if self.stop:
             kw["stop"] = list(self.stop)
         if self.stop_token_ids:

@@ -137,6 +137,7 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
         self.runner = ModelRunner(self.target, self.drafter, self.mode, self.K, cfg.block_size, num_blocks,
                                   self.max_model_len, self.device, self.dtype, tcfg.vocab_size)
+        self.runner.stop_ids = self.stop_ids  # min_tokens holds these back
         # A depth that varies (every policy but fixed) may draft any n <= K: capture those drafter steps too
         varies = self.mode != "none" and (cfg.speculative_config.policy != "fixed" if policy is None
                                           else not isinstance(policy, FixedDepth))
@@ -206,6 +207,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")

@@ -19,6 +19,7 @@ import torch
 from peagle_kernels.dispatch import use_triton
 from peagle_kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from peagle_kernels.sampling import rejection_sample
+from peagle_core.engine.logits_processors import needs_processing, process_logits
 from peagle_core.engine.logprobs import emitted_logprobs, host_logprobs
 from peagle_core.engine.graphs import GraphRunner, HostForward, is_uniform_decode
 from peagle_core.engine.scheduler import Scheduled
@@ -99,6 +100,7 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  vocab_size: int):
         self.target, self.drafter, self.mode, self.K = target, drafter, mode, num_spec
+        self.stop_ids: set[int] = set()  # end-of-turn ids, which min_tokens holds back (the engine sets them)
         for model in (target, drafter):
             if model is not None:
                 pack_qkv(model)
@@ -230,6 +232,9 @@ class ModelRunner:
             tokens = torch.full((B, self.K + 1), -1, dtype=torch.long, device=dev)
             return tokens, torch.zeros(B, dtype=torch.long, device=dev), inp.next_ids, None
         logits = self.target.compute_logits(hidden if inp.all_rows else hidden[inp.rows]).float()
+        reqs = [batch[i].req for i in inp.sampling_host]
+        if any(needs_processing(r.params) for r in reqs):
+            logits = process_logits(logits, reqs, inp.cu_host, self.stop_ids)
         top_k, top_p = (inp.top_k, inp.top_p) if inp.filtered else (None, None)
         uniforms, noise = self._noise([batch[i] for i in inp.sampling_host], inp.cu_host, logits.shape[1])
         sampled, accepted = rejection_sample(logits, inp.draft_ids, inp.cu, inp.temperature, top_k, top_p,
