@@ -464,3 +464,39 @@ def test_penalties_reach_the_engine(loop, server):
                        ({"logit_bias": {"99999999": 1}}, None)):
         e = refused_by(loop, complete, max_tokens=1, extra_body=bad)
         assert param is None or (e.body["param"] or "").startswith(param), e.body
+
+
+def _stream_text(loop, **kw) -> str:
+    async def go():
+        async with client() as c:
+            s = await c.completions.create(model="tiny", stream=True, **kw)
+            return "".join([ch.choices[0].text async for ch in s if ch.choices])
+    return loop.run(go())
+
+
+def test_include_stop_str_and_special_tokens_in_completions(loop, server):
+    from peagle_core import LLM, SamplingParams
+
+    tok = server.llm.tokenizer
+    free = complete(loop, prompt="Once upon a time", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    text = free.choices[0].text
+    stop = text[8:11]
+    cut = text.index(stop)
+    kw = dict(prompt="Once upon a time", max_tokens=24, temperature=0, stop=stop)
+    assert complete(loop, **kw).choices[0].text == text[:cut]
+    both = {"include_stop_str_in_output": True, "ignore_eos": True}
+    kept = complete(loop, **kw, extra_body=both).choices[0].text
+    assert kept == text[:cut + len(stop)] == _stream_text(loop, **kw, extra_body=both)
+    offline = LLM("tiny", device="cpu", dtype="float32", max_model_len=256).generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=24, stop=stop, include_stop_str_in_output=True,
+                                           ignore_eos=True))[0].outputs[0].text
+    assert offline == kept
+
+    chat_prompt = tok.encode(tok.apply_chat_template(USER))
+    raw = complete(loop, prompt=chat_prompt, max_tokens=6, temperature=0, extra_body={"skip_special_tokens": False})
+    plain = complete(loop, prompt=chat_prompt, max_tokens=6, temperature=0)
+    assert raw.choices[0].text.startswith("<|channel|>") and "<|" not in plain.choices[0].text
+    assert _stream_text(loop, prompt=chat_prompt, max_tokens=6, temperature=0,
+                        extra_body={"skip_special_tokens": False}) == raw.choices[0].text
+    e = refused_by(loop, chat, max_tokens=1, extra_body={"skip_special_tokens": False})
+    assert "skip_special_tokens" in e.body["message"]

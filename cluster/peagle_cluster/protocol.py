@@ -91,7 +91,7 @@ class _Request(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = honoured("nucleus sampling")
     top_k: int | None = honoured("vLLM's: -1 disables")
     seed: int | None = honoured("a per-request generator: the same seed gives the same text")
-    stop: str | list[str] | None = honoured("at most 4 strings, not included in the output")
+    stop: str | list[str] | None = honoured("at most 4 strings; the text ends before the one found (see `include_stop_str_in_output`)")
     stop_token_ids: list[int] | None = honoured("vLLM's: extra token ids that end the completion")
     ignore_eos: bool | None = honoured("vLLM's: keep generating past end-of-turn tokens")
     stream: bool | None = honoured("server-sent events ending in `data: [DONE]`", default=False)
@@ -126,9 +126,11 @@ class _Request(BaseModel):
     guided_decoding_backend: Any = refused(note=_NO_STRUCTURED)
     guided_whitespace_pattern: Any = refused(note=_NO_STRUCTURED)
     structural_tag: Any = refused(note=_NO_STRUCTURED)
-    include_stop_str_in_output: Any = refused(False, note="stop strings are never included")
-    skip_special_tokens: Any = refused(True, note="special tokens are never in the text")
-    spaces_between_special_tokens: Any = refused(True, note="special tokens are never in the text")
+    include_stop_str_in_output: bool | None = honoured("vLLM's: the stop string that ended the text stays in it")
+    skip_special_tokens: bool | None = honoured(
+        "vLLM's: `false` keeps special tokens (harmony's markers) in completions' text; chat's reply is split by "
+        "them, so chat refuses `false`")
+    spaces_between_special_tokens: Any = refused(True, note="GPT-OSS's byte-level tokens decode without spaces")
     add_special_tokens: bool | None = honoured("accepted either way: GPT-OSS's tokenizer adds no special tokens")
     truncate_prompt_tokens: Any = refused(note="prompts are never truncated: too long is a 400")
     priority: Any = refused(0, note="one priority: first come, first served")
@@ -171,7 +173,8 @@ class _Request(BaseModel):
         if (n := self.num_logprobs()) is not None:
             kw["logprobs"] = n
         for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "min_p", "min_tokens"):
+                     "repetition_penalty", "min_p", "min_tokens", "include_stop_str_in_output",
+                     "skip_special_tokens"):
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
@@ -318,6 +321,12 @@ class ChatCompletionRequest(_Request):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs is True else None
+
+    @model_validator(mode="after")
+    def _special(self) -> "ChatCompletionRequest":
+        if self.skip_special_tokens is False:
+            raise ValueError("skip_special_tokens: false is not supported in chat (harmony's markers split the reply)")
+        return self
 
     @model_validator(mode="after")
     def _logprobs(self) -> "ChatCompletionRequest":

@@ -164,7 +164,8 @@ class EngineServer:
         from peagle_core.engine.async_llm import EngineDeadError, EngineError
 
         chat = req.get("kind") == "chat"
-        decoder = ChatDecoder(self.llm.tokenizer, params.stop, req.get("prefill", "")) if chat and self._harmony else None
+        decoder = ChatDecoder(self.llm.tokenizer, params.stop, req.get("prefill", ""), params.include_stop_str_in_output
+                              ) if chat and self._harmony else None
         parser = HarmonyParser() if chat and not self._harmony else None
         espan = tracer().start_span("engine.generate", context=trace.set_span_in_context(parent))
         self.ongoing += 1

@@ -9,7 +9,7 @@ from peagle_core.config import parse_engine_config
 from peagle_core.engine.llm_engine import LLMEngine
 from peagle_core.engine.request import Request
 from peagle_core.engine.types import CompletionOutput, RequestOutput, SamplingParams
-from peagle_core.loading.tokenizer import stop_string_match
+from peagle_core.loading.tokenizer import stop_length_at, stop_string_match
 from peagle_core.spec.depth import DepthPolicy
 
 
@@ -61,7 +61,8 @@ class LLM:
         stops = (sampling_params or SamplingParams()).stop
         for o in outs:
             c = o.outputs[0]
-            d = ChatDecoder(self.tokenizer, stops).push(c.token_ids, final=True)
+            d = ChatDecoder(self.tokenizer, stops, include_stop=(sampling_params or SamplingParams())
+                            .include_stop_str_in_output).push(c.token_ids, final=True)
             c.text, c.reasoning = d.content, d.reasoning
             c.tool_calls = [{"name": t["name"], "arguments": t["arguments"]} for t in d.tool_calls]
         return outs
@@ -76,10 +77,11 @@ def normalize_prompts(prompts) -> list[str | list[int]]:
 
 
 def to_output(req: Request, tokenizer) -> RequestOutput:
-    ids = req.output_ids
-    text = tokenizer.decode(ids) if tokenizer is not None else ""
-    cut = stop_string_match(text, req.params.stop)
-    text = text if cut is None else text[:cut]
+    ids, p = req.output_ids, req.params
+    text = tokenizer.decode(ids, p.skip_special_tokens) if tokenizer is not None else ""
+    cut = stop_string_match(text, p.stop)
+    if cut is not None:
+        text = text[:cut + (stop_length_at(text, cut, p.stop) if p.include_stop_str_in_output else 0)]
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                          [CompletionOutput(0, text, ids, req.finish_reason, req.logprobs)], finished=req.finished,
                          spec_decode_stats=req.stats,

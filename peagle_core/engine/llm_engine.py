@@ -226,7 +226,9 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.texts[req.request_id] = TextState(self.tokenizer, req.params.stop)
+        p = req.params
+        self.texts[req.request_id] = TextState(self.tokenizer, p.stop, p.include_stop_str_in_output,
+                                               p.skip_special_tokens)
         self.scheduler.add(req)
         return req
 

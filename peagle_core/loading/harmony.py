@@ -120,10 +120,10 @@ class ChatDecoder:
     string is not sent yet.
     """
 
-    def __init__(self, tokenizer, stops: list[str] | None = None, prefix: str = ""):
+    def __init__(self, tokenizer, stops: list[str] | None = None, prefix: str = "", include_stop: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
         self.parser = HarmonyParser()
-        self.content = StopFilter(stops)
+        self.content = StopFilter(stops, include_stop)
         # The prompt's tail the reply continues (`<|start|>assistant`, plus any forced tool-call header), so a
         # header the model finishes (` to=functions.f<|channel|>...`) is read as one
         self._primed = self.parser.feed(f"<|start|>assistant{prefix}").tool_calls  # a forced call opens here

@@ -483,6 +483,11 @@ def stop_string_match(text: str, stops: Sequence[str]) -> int | None:
     return best
 
 
+def stop_length_at(text: str, at: int, stops: Sequence[str]) -> int:
+    """Length of the stop string `stop_string_match` found at `at` (the first listed that starts there)."""
+    return next(len(s) for s in stops if s and text.startswith(s, at))
+
+
 def holdback(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters of `text` could be the start of a stop string.
 
@@ -505,8 +510,9 @@ class StopFilter:
     (while it could still become one it was held back), so a push costs what its text does, not what the
     whole output does."""
 
-    def __init__(self, stops: Sequence[str] | None):
+    def __init__(self, stops: Sequence[str] | None, include: bool = False):
         self.stops = [s for s in (stops or []) if s]
+        self.include = include  # vLLM's include_stop_str_in_output: the stop string ends the text, kept
         self.pending = ""  # pushed but not sent: shorter than the longest stop string
         self._sent: list[str] = []
         self.stopped = False
@@ -518,7 +524,7 @@ class StopFilter:
         text = self.pending + new
         hit = stop_string_match(text, self.stops)
         if hit is not None:
-            self.stopped, upto = True, hit
+            self.stopped, upto = True, hit + (stop_length_at(text, hit, self.stops) if self.include else 0)
         else:
             upto = len(text) - (0 if final else holdback(text, self.stops))
         delta, self.pending = text[:upto], text[upto:]
