@@ -374,6 +374,12 @@ def test_metrics_use_vllms_names_and_count_what_responses_report(loop, server):
     assert delta("vllm:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in replies)
     assert delta("vllm:generation_tokens_total") == sum(r.usage.completion_tokens for r in replies) == 24
     assert delta("vllm:time_to_first_token_seconds_count") == 2 == delta("vllm:e2e_request_latency_seconds_count")
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 2
+    assert delta("vllm:request_generation_tokens_sum") == 24 and delta("vllm:request_time_per_output_token_seconds_count") == 2
+    # one gap a step after the first: fewer than the tokens when the target accepted drafts
+    steps = sum(s["num_spec_steps"] for s in specs)
+    assert 0 < delta("vllm:inter_token_latency_seconds_count") <= 22 and steps >= delta("vllm:inter_token_latency_seconds_count")
     length = (("finished_reason", "length"),) + label
     assert got(after, "vllm:request_success_total", length) - got(before, "vllm:request_success_total", length) == 2
     assert 0.0 <= got(after, "vllm:kv_cache_usage_perc") <= 1.0

@@ -21,6 +21,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -39,16 +42,42 @@ class VLLMMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request arrival to its last token", m,
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Between a request's steps that emitted tokens "
+                             "(one observation a step, however many tokens it accepted)", m, buckets=ITL_BUCKETS,
+                             registry=r)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "A request's decode time per output "
+                              "token after the first", m, buckets=ITL_BUCKETS, registry=r)
+        self.phases = {name: Histogram(f"vllm:request_{name}_time_seconds", f"A request's {what}", m,
+                                       buckets=LATENCY_BUCKETS, registry=r)
+                       for name, what in (("queue", "time waiting for a batch slot in the engine"),
+                                          ("prefill", "time from its first step to its first token"),
+                                          ("decode", "time from its first token to its last"),
+                                          ("inference", "time from its first step to its last token"))}
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens a request", m,
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.generation_len = Histogram("vllm:request_generation_tokens", "Generated tokens a request", m,
+                                        buckets=TOKEN_BUCKETS, registry=r)
         self.drafts = Counter("vllm:spec_decode_num_drafts", "Verify steps that carried drafts", m, registry=r)
         self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
         self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r)
         self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted at each draft position", m + ["position"], registry=r)
 
+    def observe_step_gap(self, seconds: float) -> None:
+        """Between two deltas of one request that carried tokens (the router sees one a step)."""
+        self.itl.labels(model_name=self.model).observe(seconds)
+
     def observe(self, ttft_s: float | None, e2e_s: float, prompt_tokens: int, completion_tokens: int,
-                finish_reason: str | None, spec: dict[str, Any] | None) -> None:
+                finish_reason: str | None, spec: dict[str, Any] | None, phases: dict[str, float] | None = None
+                ) -> None:
         """One finished request."""
         label = {"model_name": self.model}
+        for name, seconds in (phases or {}).items():
+            self.phases[name].labels(**label).observe(seconds)
+        if ttft_s is not None and completion_tokens > 1:
+            self.tpot.labels(**label).observe((e2e_s - ttft_s) / (completion_tokens - 1))
+        self.prompt_len.labels(**label).observe(prompt_tokens)
+        self.generation_len.labels(**label).observe(completion_tokens)
         self.prompt_tokens.labels(**label).inc(prompt_tokens)
         self.generation_tokens.labels(**label).inc(completion_tokens)
         self.success.labels(finished_reason=finish_reason or "stop", **label).inc()

@@ -237,7 +237,8 @@ class EngineServer:
             self.served += 1
             yield {"event": "final", "finish_reason": finish,
                    "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out},
-                   "spec": _spec_dict(last.spec_decode_stats if last is not None else None)}
+                   "spec": _spec_dict(last.spec_decode_stats if last is not None else None),
+                   "phases": _phases(metrics)}
         finally:
             self.ongoing -= 1
             self.metrics.set_ongoing(self.ongoing)
@@ -397,6 +398,16 @@ def _max_chars_per_token(tok) -> int:
     except Exception:
         pass
     return 64
+
+
+def _phases(m: dict[str, Any]) -> dict[str, float]:
+    """The request's time in the engine by phase, vLLM's: queued, prefill (to the first token), decode, inference."""
+    arrival, first, done = m.get("arrival_time"), m.get("first_token_time"), m.get("finished_time")
+    scheduled = m.get("first_scheduled_time") or arrival
+    if not (arrival and first and done):
+        return {}
+    return {"queue": max(scheduled - arrival, 0.0), "prefill": max(first - scheduled, 0.0),
+            "decode": max(done - first, 0.0), "inference": max(done - scheduled, 0.0)}
 
 
 def _spec_dict(spec) -> dict[str, Any] | None:

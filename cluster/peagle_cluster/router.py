@@ -304,12 +304,11 @@ class Frontend:
                 span.end()
 
     async def _collect(self, rid: str, req, chat: bool, first: dict, stream, route: str, t0: float) -> Response:
-        content, reasoning, calls, ev, t_first, lps = [], [], ToolCalls(), first, None, []
+        content, reasoning, calls, ev, t_first, t_last, lps = [], [], ToolCalls(), first, None, None, []
         try:
             while ev["event"] == "delta":
                 lps += ev.get("logprobs") or []
-                if t_first is None and ev.get("num_tokens"):
-                    t_first = time.perf_counter()
+                t_first, t_last = self._token_times(ev, t_first, t_last)
                 content.append(ev.get("content", ev["text"]) if chat else ev["text"])
                 if chat and ev.get("reasoning"):
                     reasoning.append(ev["reasoning"])
@@ -335,19 +334,29 @@ class Frontend:
         self.metrics.observe(route, 200, time.perf_counter() - t0)
         return JSONResponse(body | extra)
 
+    def _token_times(self, ev: dict[str, Any], t_first: float | None, t_last: float | None):
+        """(first, last) arrival of a delta with tokens; the gaps between them are vLLM's inter-token latency."""
+        if not ev.get("num_tokens"):
+            return t_first, t_last
+        now = time.perf_counter()
+        if t_last is not None:
+            self.vllm_metrics.observe_step_gap(now - t_last)
+        return (t_first or now), now
+
     def _finished(self, ev: dict[str, Any], t0: float, t_first: float | None) -> tuple[dict, dict]:
         """A request's final event -> its `usage`, the response's extra keys (vLLM's `metrics`), and /metrics."""
         u = ev["usage"]
         use = P.usage(u["prompt_tokens"], u["completion_tokens"], u.get("cached_tokens", 0))
         self.vllm_metrics.observe(None if t_first is None else t_first - t0, time.perf_counter() - t0,
-                                  u["prompt_tokens"], u["completion_tokens"], ev["finish_reason"], ev.get("spec"))
+                                  u["prompt_tokens"], u["completion_tokens"], ev["finish_reason"], ev.get("spec"),
+                                  ev.get("phases"))
         spec = speculative_decoding(ev.get("spec"), self.num_spec_tokens)
         return use, ({"metrics": {"speculative_decoding": spec}} if spec is not None else {})
 
     async def _sse(self, rid: str, req, chat: bool, first: dict, stream, span, route: str,
                    t0: float) -> AsyncIterator[bytes]:
         created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
-        ev, completed, calls, t_first, offset = first, False, ToolCalls(), None, 0
+        ev, completed, calls, t_first, t_last, offset = first, False, ToolCalls(), None, None, 0
         show_reasoning = not chat or req.include_reasoning is not False
         try:
             if chat:
@@ -355,8 +364,7 @@ class Frontend:
                                          include_usage))
             while True:
                 if ev["event"] == "delta":
-                    if t_first is None and ev.get("num_tokens"):
-                        t_first = time.perf_counter()
+                    t_first, t_last = self._token_times(ev, t_first, t_last)
                     if chat:
                         delta = {}
                         if ev.get("reasoning") and show_reasoning:
