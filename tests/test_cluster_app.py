@@ -246,7 +246,7 @@ BAD = [
     ("missing-prompt", "/v1/completions", {"max_tokens": 3}, None, 400, "prompt", None),
     ("empty-prompt", "/v1/completions", {"prompt": ""}, None, 400, "prompt", None),
     ("negative-token-id", "/v1/completions", {"prompt": [1, -2]}, None, 400, "prompt", None),
-    ("two-prompts", "/v1/completions", {"prompt": ["a", "b"]}, None, 400, "prompt", None),
+    ("65-prompts", "/v1/completions", {"prompt": ["a"] * 65}, None, 400, "prompt", None),
     ("temperature-too-high", "/v1/completions", {"prompt": "a", "temperature": 2.5}, None, 400, "temperature", None),
     ("negative-temperature", "/v1/completions", {"prompt": "a", "temperature": -1}, None, 400, "temperature", None),
     ("top-p-zero", "/v1/completions", {"prompt": "a", "top_p": 0}, None, 400, "top_p", None),

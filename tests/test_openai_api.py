@@ -506,3 +506,32 @@ def test_include_stop_str_and_special_tokens_in_completions(loop, server):
                         extra_body={"skip_special_tokens": False}) == raw.choices[0].text
     e = refused_by(loop, chat, max_tokens=1, extra_body={"skip_special_tokens": False})
     assert "skip_special_tokens" in e.body["message"]
+
+
+def test_several_prompts_in_one_completions_request(loop, server):
+    tok = server.llm.tokenizer
+    prompts = ["Once upon a time", tok.encode("The quick brown fox"), "Hello"]
+    kw = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    singles = [complete(loop, prompt=p, **kw) for p in prompts]
+    r = complete(loop, prompt=prompts, logprobs=1, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert all("".join(c.logprobs.tokens) == c.text and len(c.logprobs.tokens) == 8 for c in r.choices)
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles) and r.usage.completion_tokens == 24
+    spec = r.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_spec_steps"] == sum(s.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"]
+                                         for s in singles)
+
+    async def stream():
+        async with client() as c:
+            s = await c.completions.create(model="tiny", prompt=prompts, stream=True,
+                                           stream_options={"include_usage": True}, **kw)
+            return [ch async for ch in s]
+    chunks = loop.run(stream())
+    texts = ["".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in r.choices]
+    assert sorted(ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 24
+
+    e = refused_by(loop, complete, prompt=["fine", " ".join(map(str, range(400)))], max_tokens=2)
+    assert "prompt 1" in e.body["message"] and e.body["code"] == "context_length_exceeded"

@@ -75,6 +75,7 @@ def validation_error(e: ValidationError) -> APIError:
 # Requests
 # --------------------------------------------------------------------------------------------
 
+MAX_PROMPTS = 64  # prompts in one completions request
 _EXACT = "exact under speculative verification (each verified position uses its own history)"
 _NO_STRUCTURED = "no structured output yet"
 
@@ -369,18 +370,21 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: Any = honoured("a string, a list of token ids, or a one-element list of either", default=...)
+    prompt: Any = honoured(f"a string or a list of token ids, or a list of up to {MAX_PROMPTS} of those (one "
+                           "choice each, `index` in order)", default=...)
     suffix: Any = refused("", note="no fill-in-the-middle")
     prompt_embeds: Any = refused(note="token or text prompts only")
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, p: Any) -> str | list[int]:
-        """One prompt: a string or a list of token ids, optionally wrapped in a one-element list."""
+    def _prompt(cls, p: Any) -> str | list[int] | tuple:
+        """A string or a list of token ids; or a list of those (several prompts: a tuple, one choice each)."""
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
         elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-            raise ValueError(f"exactly one prompt per request is supported, got {len(p)}")
+            if len(p) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
+            return tuple(cls._prompt(x) for x in p)
         if isinstance(p, str):
             if not p:
                 raise ValueError("prompt must not be empty")
@@ -400,11 +404,15 @@ class CompletionRequest(_Request):
             raise ValueError("logprobs must be an integer in completions (how many most likely tokens to add)")
         return v
 
+    def prompts(self) -> list[str | list[int]]:
+        return list(self.prompt) if isinstance(self.prompt, tuple) else [self.prompt]
+
     def single_prompt(self) -> str | list[int]:
         return self.prompt
 
     def char_length(self) -> int:
-        return len(self.prompt) if isinstance(self.prompt, str) else 0
+        """The longest string prompt's length (each prompt is its own request)."""
+        return max(len(p) if isinstance(p, str) else 0 for p in self.prompts())
 
 
 class TokenizeRequest(BaseModel):
@@ -508,9 +516,9 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                     include_usage: bool, logprobs: Any = None) -> dict[str, Any]:
+                     include_usage: bool, logprobs: Any = None, index: int = 0) -> dict[str, Any]:
     c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         c["usage"] = None
     return c

@@ -281,6 +281,10 @@ class Frontend:
             span.set_attribute("peagle.stream", bool(req.stream))
             if req.user:
                 span.set_attribute("enduser.id", req.user)
+            if not chat and len(req.prompts()) > 1:
+                resp = await self._complete_batch(rid, req, sampling, span, route, t0)
+                handed_off = isinstance(resp, StreamingResponse)  # the stream ends the span
+                return resp
             ereq = engine_request(rid, req, sampling, chat, trace_ctx=inject_context(span))
             stream = self.engine.options(stream=True).generate.remote(ereq)
             first = await _first_event(stream)
@@ -342,6 +346,119 @@ class Frontend:
         if t_last is not None:
             self.vllm_metrics.observe_step_gap(now - t_last)
         return (t_first or now), now
+
+    async def _complete_batch(self, rid: str, req, sampling: dict[str, Any], span, route: str, t0: float) -> Response:
+        """Several prompts in one completions request: one engine request each, run together; choice i is
+        prompt i. A prompt the replica refuses fails the whole request (its 4xx names the prompt)."""
+        prompts = req.prompts()
+        streams = [self.engine.options(stream=True).generate.remote(
+            engine_request(f"{rid}-{i}", req, sampling, False, inject_context(span), prompt=p))
+            for i, p in enumerate(prompts)]
+        firsts = await asyncio.gather(*(_first_event(s) for s in streams), return_exceptions=True)
+        bad = next(((i, f) for i, f in enumerate(firsts) if isinstance(f, BaseException) or f["event"] == "error"),
+                   None)
+        if bad is not None:
+            for s in streams:
+                s.cancel()
+            i, f = bad
+            if isinstance(f, BaseException):
+                raise f if isinstance(f, APIError) else _ray_error(f)
+            raise APIError(f["status"], f"prompt {i}: {f['message']}", f.get("param"), f.get("code"))
+        if req.stream:
+            return StreamingResponse(self._sse_batch(rid, req, firsts, streams, span, route, t0),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            drained = await asyncio.gather(*(self._drain(f, s) for f, s in zip(firsts, streams)))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        choices, totals, specs = [], [0, 0], []
+        for i, (text, lps, ev, t_first) in enumerate(drained):
+            if ev["event"] == "error":
+                raise APIError(ev["status"], f"prompt {i}: {ev['message']}", ev.get("param"), ev.get("code"))
+            use, extra = self._finished(ev, t0, t_first)
+            totals = [totals[0] + use["prompt_tokens"], totals[1] + use["completion_tokens"]]
+            specs.append(ev.get("spec"))
+            lp = P.completion_logprobs(lps) if req.num_logprobs() is not None else None
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": ev["finish_reason"]})
+        body = P.completion_response(rid, self.model, P.now(), "", None, P.usage(*totals)) | {"choices": choices}
+        spec = speculative_decoding(_sum_specs(specs), self.num_spec_tokens)
+        self.metrics.observe(route, 200, time.perf_counter() - t0)
+        return JSONResponse(body | ({"metrics": {"speculative_decoding": spec}} if spec is not None else {}))
+
+    async def _drain(self, first: dict[str, Any], stream) -> tuple[str, list, dict[str, Any], float | None]:
+        """One completion stream to its end: (text, logprob entries, final or error event, first-token time)."""
+        text, lps, ev, t_first, t_last = [], [], first, None, None
+        while ev["event"] == "delta":
+            text.append(ev["text"])
+            lps += ev.get("logprobs") or []
+            t_first, t_last = self._token_times(ev, t_first, t_last)
+            ev = await _next_event(stream)
+        if ev["event"] == "final":
+            await _finish(stream)
+        return "".join(text), lps, ev, t_first
+
+    async def _sse_batch(self, rid: str, req, firsts: list[dict], streams: list, span, route: str,
+                         t0: float) -> AsyncIterator[bytes]:
+        """Chunks of every prompt as they come, each with its choice's index; the usage chunk sums them."""
+        created, queue = P.now(), asyncio.Queue()
+        offsets, t_first, t_last = [0] * len(streams), [None] * len(streams), [None] * len(streams)
+
+        async def pump(i: int, ev: dict[str, Any], stream) -> None:
+            try:
+                while True:
+                    await queue.put((i, ev))
+                    if ev["event"] != "delta":
+                        return
+                    ev = await _next_event(stream)
+            except APIError as e:
+                await queue.put((i, {"event": "error", "status": e.status, "message": e.message, "param": e.param,
+                                     "code": e.code}))
+
+        tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
+        done, totals, specs, completed = 0, [0, 0], [], False
+        try:
+            while done < len(streams):
+                i, ev = await queue.get()
+                if ev["event"] == "delta":
+                    t_first[i], t_last[i] = self._token_times(ev, t_first[i], t_last[i])
+                    if ev["text"] or ev.get("logprobs"):
+                        lp = P.completion_logprobs(ev["logprobs"], offsets[i]) if ev.get("logprobs") else None
+                        offsets[i] += len(ev["text"])
+                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, req.include_usage,
+                                                       lp, index=i))
+                elif ev["event"] == "final":
+                    done += 1
+                    use, _ = self._finished(ev, t0, t_first[i])
+                    totals = [totals[0] + use["prompt_tokens"], totals[1] + use["completion_tokens"]]
+                    specs.append(ev.get("spec"))
+                    yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"], req.include_usage,
+                                                   index=i))
+                    await _finish(streams[i])
+                else:
+                    span.set_attribute("error.type", str(ev.get("code") or ev["status"]))
+                    yield P.sse(P.error_body(ev["status"], f"prompt {i}: {ev['message']}", ev.get("param"),
+                                             ev.get("code")))
+                    break
+            else:
+                spec = speculative_decoding(_sum_specs(specs), self.num_spec_tokens)
+                if req.include_usage:
+                    yield P.sse(P.usage_chunk(rid, self.model, created, "text_completion", P.usage(*totals))
+                                | ({"metrics": {"speculative_decoding": spec}} if spec is not None else {}))
+            completed = True
+            yield P.SSE_DONE
+            self.metrics.observe(route, 200, time.perf_counter() - t0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.cancel()  # every stream has ended or is abandoned: cancelling an ended call is a no-op
+            if not completed:
+                span.set_attribute("peagle.client_disconnected", True)
+                self.metrics.observe(route, 499)
+            span.end()
 
     def _finished(self, ev: dict[str, Any], t0: float, t_first: float | None) -> tuple[dict, dict]:
         """A request's final event -> its `usage`, the response's extra keys (vLLM's `metrics`), and /metrics."""
@@ -416,6 +533,19 @@ class Frontend:
             span.end()
 
 
+def _sum_specs(specs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Speculation counters of several requests added up (per-position counts position by position)."""
+    specs = [s for s in specs if s is not None]
+    if not specs:
+        return None
+    width = max(len(s["num_accepted_tokens_per_pos"]) for s in specs)
+    out = {k: sum(s[k] for s in specs) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    out["num_accepted_tokens_per_pos"] = [sum(s["num_accepted_tokens_per_pos"][j]
+                                              for s in specs if j < len(s["num_accepted_tokens_per_pos"]))
+                                          for j in range(width)]
+    return out
+
+
 def _parent_context(request: Request):
     """The HTTP server span when the ASGI layer made one; else the caller's `traceparent` header."""
     from opentelemetry import trace
@@ -425,7 +555,8 @@ def _parent_context(request: Request):
     return extract_context(dict(request.headers))
 
 
-def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ctx: dict[str, str]) -> dict[str, Any]:
+def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ctx: dict[str, str],
+                   prompt: str | list[int] | None = None) -> dict[str, Any]:
     """The plain-dict request a replica's `generate` receives."""
     d: dict[str, Any] = {"request_id": rid, "kind": "chat" if chat else "completion", "sampling": sampling,
                          "max_tokens": req.requested_max_tokens(), "trace": trace_ctx, "sent_at": time.time()}
@@ -438,7 +569,7 @@ def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ct
         if forced:  # the reply starts inside a call's header (harmony's way of requiring a call)
             d["prefill"] = tool_call_prefill(name)
     else:
-        d["prompt"] = req.single_prompt()
+        d["prompt"] = req.single_prompt() if prompt is None else prompt
     return d
 
 
