@@ -14,7 +14,6 @@ import torch
 
 from peagle_kernels.sampling import target_probs
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs, OpenAI's top_logprobs limit
 
 
 @dataclass
