@@ -1,4 +1,4 @@
-"""`peagle` command line: generate, bench, train."""
+"""`peagle` command line: serve, generate, bench, train."""
 from __future__ import annotations
 
 import argparse
@@ -83,10 +83,12 @@ def add_bench_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from peagle_core.serve_cli import add_serve_parser
     from peagle_core.training.cli import add_train_parser
 
     parser = argparse.ArgumentParser(prog="peagle", description="GPT-OSS with P-EAGLE parallel speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_train_parser(sub)

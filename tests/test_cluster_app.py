@@ -16,6 +16,7 @@ import pytest
 
 from peagle_cluster import protocol as P
 from peagle_core.loading.harmony import HarmonyParser
+from peagle_core.loading.tokenizer import today
 from peagle_cluster.replica import EngineServer
 from peagle_cluster.router import Frontend, api, install_frontend
 from peagle_cluster.settings import parse_app_args
@@ -193,7 +194,8 @@ def test_chat_uses_the_harmony_template_and_streams_openai_chunks(loop, server):
     assert r.status_code == 200, r.text
     body = r.json()
     tok = server.llm.tokenizer
-    expected_prompt = len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)))
+    expected_prompt = len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                                             current_date=today())))
     assert body["usage"]["prompt_tokens"] == expected_prompt
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
     assert isinstance(body["choices"][0]["message"]["content"], str)
@@ -219,10 +221,11 @@ def test_models_health_and_unknown_fields(loop, server):
     assert [m["id"] for m in r.json()["data"]] == ["tiny"] and r.json()["data"][0]["max_model_len"] == 256
     assert call(loop, "GET", "/v1/models/tiny").json()["id"] == "tiny"
     assert call(loop, "GET", "/health", headers={}).json()["status"] == "ok"  # no key needed
-    # OpenAI fields this server does not implement are ignored, as OpenAI ignores unknown fields.
-    r = call(loop, "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 2, "presence_penalty": 0.1,
-                                               "frequency_penalty": 0.0, "some_future_field": {"x": 1}})
+    # A field at its neutral value passes; anything else is refused by name (tests/test_openai_api.py).
+    r = call(loop, "POST", "/v1/completions", {"prompt": "a b", "max_tokens": 2, "best_of": 1})
     assert r.status_code == 200, r.text
+    assert_envelope(call(loop, "POST", "/v1/completions", {"prompt": "a b", "best_of": 2}), 400,
+                    "best_of", "unsupported_parameter")
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,14 +246,14 @@ BAD = [
     ("missing-prompt", "/v1/completions", {"max_tokens": 3}, None, 400, "prompt", None),
     ("empty-prompt", "/v1/completions", {"prompt": ""}, None, 400, "prompt", None),
     ("negative-token-id", "/v1/completions", {"prompt": [1, -2]}, None, 400, "prompt", None),
-    ("two-prompts", "/v1/completions", {"prompt": ["a", "b"]}, None, 400, "prompt", None),
+    ("65-prompts", "/v1/completions", {"prompt": ["a"] * 65}, None, 400, "prompt", None),
     ("temperature-too-high", "/v1/completions", {"prompt": "a", "temperature": 2.5}, None, 400, "temperature", None),
     ("negative-temperature", "/v1/completions", {"prompt": "a", "temperature": -1}, None, 400, "temperature", None),
     ("top-p-zero", "/v1/completions", {"prompt": "a", "top_p": 0}, None, 400, "top_p", None),
     ("top-k-zero", "/v1/completions", {"prompt": "a", "top_k": 0}, None, 400, "top_k", None),
     ("max-tokens-zero", "/v1/completions", {"prompt": "a", "max_tokens": 0}, None, 400, "max_tokens", None),
     ("n-two", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, None, 400, "n", None),
-    ("logprobs", "/v1/completions", {"prompt": "a", "logprobs": 3}, None, 400, "logprobs", None),
+    ("logprobs-over-20", "/v1/completions", {"prompt": "a", "logprobs": 21}, None, 400, "logprobs", None),
     ("five-stops", "/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", None),
     ("out-of-vocab-id", "/v1/completions", {"prompt": [10**9]}, None, 400, None, None),
     ("prompt-too-many-tokens", "/v1/completions", {"prompt": " ".join(map(str, range(400)))}, None, 400, "prompt",
@@ -610,13 +613,13 @@ HARMONY = ("<|channel|>analysis<|message|>User says hi. Reply.<|end|><|start|>as
 
 def test_harmony_parser_splits_channels_at_any_chunk_boundary():
     whole = HarmonyParser().feed(HARMONY, final=True)
-    assert whole == ("Hello! How can I help?", "User says hi. Reply.")
+    assert whole == ("Hello! How can I help?", "User says hi. Reply.", [])
     for cut in range(1, len(HARMONY)):
         p = HarmonyParser()
-        c1, r1 = p.feed(HARMONY[:cut])
-        c2, r2 = p.feed(HARMONY[cut:], final=True)
-        assert (c1 + c2, r1 + r2) == whole, cut
-    assert HarmonyParser().feed("plain text <b>", final=True) == ("plain text <b>", "")
+        c1, r1, _ = p.feed(HARMONY[:cut])
+        c2, r2, _ = p.feed(HARMONY[cut:], final=True)
+        assert (c1 + c2, r1 + r2, []) == whole, cut
+    assert HarmonyParser().feed("plain text <b>", final=True) == ("plain text <b>", "", [])
 
 
 def test_request_models_follow_openai_types():
@@ -642,7 +645,8 @@ def test_reasoning_effort_reaches_the_harmony_system_message(loop, server):
     for effort in ("low", "high"):
         body = call(loop, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
                                                           "reasoning_effort": effort}).json()
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, reasoning_effort=effort)
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, reasoning_effort=effort,
+                                         current_date=today())
         assert f"Reasoning: {effort}" in prompt
         assert body["usage"]["prompt_tokens"] == len(tok.encode(prompt))
     assert_envelope(call(loop, "POST", "/v1/chat/completions", {"messages": messages, "reasoning_effort": "max"}),

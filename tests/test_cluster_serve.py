@@ -352,7 +352,7 @@ def test_metrics_are_exported_to_prometheus(cluster, client):
             "ray_peagle_e2e_request_latency_seconds_count", "ray_peagle_generation_tokens_total",
             "ray_peagle_spec_decode_num_drafts_total", "ray_peagle_spec_decode_num_draft_tokens_total",
             "ray_peagle_spec_decode_num_accepted_tokens_total", "ray_peagle_spec_decode_acceptance_length",
-            "ray_peagle_speculation_depth", "ray_peagle_kv_blocks_used", "ray_peagle_kv_blocks_total",
+            "ray_peagle_speculation_depth", "ray_peagle_kv_blocks_used", "ray_peagle_kv_blocks_capacity",
             "ray_peagle_requests_running", "ray_peagle_requests_waiting", "ray_peagle_http_requests_total"}
 
     missing: list = []
@@ -368,9 +368,9 @@ def test_metrics_are_exported_to_prometheus(cluster, client):
     except AssertionError:
         raise AssertionError(f"metrics missing from {cluster['metrics']}: {missing}") from None
     by = lambda name: [(lab, v) for n, lab, v in samples if n == name]
-    assert {lab["replica"] for lab, _ in by("ray_peagle_kv_blocks_total")} == set(
+    assert {lab["replica"] for lab, _ in by("ray_peagle_kv_blocks_capacity")} == set(
         r["replica_id"] for r in _stats(cluster)["replicas"])
-    assert all(v > 0 for _, v in by("ray_peagle_kv_blocks_total"))
+    assert all(v > 0 for _, v in by("ray_peagle_kv_blocks_capacity"))
     per_pos = by("ray_peagle_spec_decode_num_accepted_tokens_per_pos_total")
     accepted = sum(v for _, v in by("ray_peagle_spec_decode_num_accepted_tokens_total"))
     assert sum(v for _, v in per_pos) == accepted  # per-position counts add up to the total

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from peagle_cluster.app import build_app
+from peagle_cluster.ray_llm import from_llm_serving_args
 from peagle_cluster.settings import parse_app_args
 from peagle_core.config import parse_engine_config
 
@@ -39,15 +40,16 @@ def test_config_is_a_valid_serve_config_that_builds(path, monkeypatch):
     schema = ServeDeploySchema.model_validate(raw)  # what `serve run` / `serve deploy` parse first
     assert len(schema.applications) == 1
     app_schema = schema.applications[0]
-    assert app_schema.import_path == "peagle_cluster.app:build_app"
-    args = app_schema.args
+    assert app_schema.import_path in ("peagle_cluster.app:build_app", "peagle_cluster.app:build_openai_app")
+    raw_args = app_schema.args
+    args = from_llm_serving_args(raw_args) if "llm_configs" in raw_args else raw_args  # Ray Serve LLM's shape
     # Engine arguments alone are accepted by the engine's own parser (vLLM names, no typos).
     settings = parse_app_args(args)
     cfg = parse_engine_config(**settings.engine_args)
     assert cfg.model == args["model"]
     # The import path resolves and builds exactly as `serve run` does, without starting Ray.
     monkeypatch.setenv("PEAGLE_API_KEY", "test-key")
-    app = call_user_app_builder_with_args_if_necessary(import_attr(app_schema.import_path), args)
+    app = call_user_app_builder_with_args_if_necessary(import_attr(app_schema.import_path), raw_args)
     router = app._bound_deployment
     engine = _engine_deployment(app)
     assert router.name == "OpenAIRouter" and engine.name == "EngineReplica"

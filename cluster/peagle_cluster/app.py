@@ -1,6 +1,7 @@
 """The application builder: `import_path: peagle_cluster.app:build_app` in a Ray Serve config file.
 
     serve run configs/tiny.yaml            # or: serve run peagle_cluster.app:build_app model=tiny
+    serve run configs/tiny-ray-llm.yaml    # Ray Serve LLM's `llm_configs` shape (build_openai_app)
 
 Two deployments: `OpenAIRouter` (HTTP ingress, light) and `EngineReplica` (one AsyncLLM each,
 GPUs as `ray_actor_options` say). Requests reach replicas through Serve's default request router,
@@ -16,6 +17,7 @@ from typing import Any
 
 from ray import serve
 
+from peagle_cluster.ray_llm import from_llm_serving_args
 from peagle_cluster.replica import EngineReplica
 from peagle_cluster.router import OpenAIRouter
 from peagle_cluster.settings import AppSettings, parse_app_args
@@ -25,9 +27,15 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     """Validate `args` (engine args + serving knobs, see `peagle_cluster.settings`) and bind the two deployments.
 
     Nothing is loaded here: a bad key fails fast with a ValueError, before any replica starts.
+    Ray Serve LLM's shape (`llm_configs: [...]`) is accepted too (`peagle_cluster.ray_llm`).
     """
+    if args and "llm_configs" in args:
+        args = from_llm_serving_args(args)
     settings = parse_app_args(args)
     return bind(settings)
+
+
+build_openai_app = build_app  # Ray Serve LLM's builder name: its YAML changes only the module in import_path
 
 
 def bind(settings: AppSettings) -> serve.Application:

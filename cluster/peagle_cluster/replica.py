@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from peagle_core.loading.harmony import ChatDecoder, HarmonyParser, supports_harmony
+from peagle_core.loading.tokenizer import today
 from peagle_cluster.settings import AppSettings
 from peagle_cluster.stats_board import lookup_board
 from peagle_cluster.telemetry import (ReplicaMetrics, extract_context, finished_spans, setup_tracing,
@@ -163,7 +164,8 @@ class EngineServer:
         from peagle_core.engine.async_llm import EngineDeadError, EngineError
 
         chat = req.get("kind") == "chat"
-        decoder = ChatDecoder(self.llm.tokenizer, params.stop) if chat and self._harmony else None
+        decoder = ChatDecoder(self.llm.tokenizer, params.stop, req.get("prefill", ""), params.include_stop_str_in_output
+                              ) if chat and self._harmony else None
         parser = HarmonyParser() if chat and not self._harmony else None
         espan = tracer().start_span("engine.generate", context=trace.set_span_in_context(parent))
         self.ongoing += 1
@@ -178,10 +180,13 @@ class EngineServer:
                     n_out += len(o.token_ids)
                     ev = {"event": "delta", "text": o.text, "num_tokens": len(o.token_ids),
                           "finish_reason": o.finish_reason}
+                    if o.logprobs is not None:
+                        ev["logprobs"] = self._logprob_entries(o.token_ids, o.logprobs, params.logprobs)
                     if decoder is not None:
-                        ev["content"], ev["reasoning"] = decoder.push(list(o.token_ids), final=out.finished)
+                        ev["content"], ev["reasoning"], ev["tool_calls"] = decoder.push(list(o.token_ids),
+                                                                                      final=out.finished)
                     elif parser is not None:
-                        ev["content"], ev["reasoning"] = parser.feed(o.text, final=out.finished)
+                        ev["content"], ev["reasoning"], ev["tool_calls"] = parser.feed(o.text, final=out.finished)
                     yield ev
                 outcome = "ok"
             except ValueError as e:
@@ -233,7 +238,8 @@ class EngineServer:
             yield {"event": "final", "finish_reason": finish,
                    "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                              "cached_tokens": last.num_cached_tokens if last is not None else 0},
-                   "spec": _spec_dict(last.spec_decode_stats if last is not None else None)}
+                   "spec": _spec_dict(last.spec_decode_stats if last is not None else None),
+                   "phases": _phases(metrics)}
         finally:
             self.ongoing -= 1
             self.metrics.set_ongoing(self.ongoing)
@@ -259,12 +265,7 @@ class EngineServer:
             if chars > limit_chars:
                 raise _too_long(f"The messages have {chars} characters, more than max_model_len "
                                 f"({self.max_model_len} tokens) can hold.", "messages")
-            kw = {"reasoning_effort": req["reasoning_effort"]} if req.get("reasoning_effort") else {}
-            try:
-                text = tok.apply_chat_template(req["messages"], add_generation_prompt=True, **kw)
-            except TypeError:
-                raise ValueError("reasoning_effort is not supported by this model's chat template") from None
-            param = "messages"
+            text, param = self._chat_text(req), "messages"
         else:
             prompt = req["prompt"]
             if not isinstance(prompt, str):
@@ -278,6 +279,53 @@ class EngineServer:
         ids = await asyncio.to_thread(tok.encode, text) if len(text) > _THREAD_TOKENIZE_CHARS else tok.encode(text)
         self._check_len(len(ids), req, param)
         return list(ids)
+
+    def _chat_text(self, req: dict[str, Any]) -> str:
+        """A chat request's prompt: harmony with today's date, its tools, and any forced call's header."""
+        kw = {"reasoning_effort": req["reasoning_effort"]} if req.get("reasoning_effort") else {}
+        if req.get("tools"):
+            kw["tools"] = req["tools"]
+        try:
+            text = self.llm.tokenizer.apply_chat_template(req["messages"], add_generation_prompt=req.get(
+                "add_generation_prompt", True), current_date=today(), **kw)
+        except TypeError:
+            raise ValueError("reasoning_effort is not supported by this model's chat template") from None
+        return text + req.get("prefill", "")
+
+    def _logprob_entries(self, ids: list[int], logprobs: list[dict], n: int) -> list[dict[str, Any]]:
+        """The engine's {token_id: Logprob} per token -> OpenAI's entries: token text, log-probability (a
+        token top-k/top-p filtered out has -inf, which JSON lacks: OpenAI's -9999.0), UTF-8 bytes, top n."""
+        table = self.llm.tokenizer.token_bytes(False)
+
+        def entry(i: int, lp: float) -> dict[str, Any]:
+            b = table[i] if table is not None else self.llm.tokenizer.decode([i], False).encode()
+            return {"token": b.decode("utf-8", "replace"), "logprob": max(lp, -9999.0), "bytes": list(b)}
+
+        out = []
+        for i, d in zip(ids, logprobs):
+            top = sorted(d.items(), key=lambda kv: kv[1].rank)[:n]
+            out.append(entry(i, d[i].logprob) | {"top_logprobs": [entry(t, lp.logprob) for t, lp in top]})
+        return out
+
+    async def tokenize(self, req: dict[str, Any]) -> dict[str, Any]:
+        """`/tokenize`: the ids a prompt (or chat, rendered as `generate` renders it) becomes."""
+        tok = self.llm.tokenizer
+        try:
+            text = self._chat_text(req) if req.get("kind") == "chat" else req["prompt"]
+            if len(text) > self.max_model_len * self.max_chars_per_token:
+                raise ValueError(f"The text has {len(text)} characters, more than max_model_len "
+                                 f"({self.max_model_len} tokens) can hold.")
+            ids = await asyncio.to_thread(tok.encode, text)
+        except ValueError as e:
+            return _error(400, str(e), param="messages" if req.get("kind") == "chat" else "prompt")
+        strs = [tok.backend.id_to_token(i) for i in ids] if req.get("return_token_strs") else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, req: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return {"prompt": self.llm.tokenizer.decode(req["tokens"])}
+        except ValueError as e:
+            return _error(400, str(e), param="tokens")
 
     def _check_len(self, n: int, req: dict[str, Any], param: str) -> None:
         if n >= self.max_model_len:
@@ -352,6 +400,16 @@ def _max_chars_per_token(tok) -> int:
     except Exception:
         pass
     return 64
+
+
+def _phases(m: dict[str, Any]) -> dict[str, float]:
+    """The request's time in the engine by phase, vLLM's: queued, prefill (to the first token), decode, inference."""
+    arrival, first, done = m.get("arrival_time"), m.get("first_token_time"), m.get("finished_time")
+    scheduled = m.get("first_scheduled_time") or arrival
+    if not (arrival and first and done):
+        return {}
+    return {"queue": max(scheduled - arrival, 0.0), "prefill": max(first - scheduled, 0.0),
+            "decode": max(done - first, 0.0), "inference": max(done - scheduled, 0.0)}
 
 
 def _spec_dict(spec) -> dict[str, Any] | None:

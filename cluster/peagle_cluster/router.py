@@ -27,11 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle_core.loading.tokenizer import tool_call_prefill
 from peagle_cluster import guard
 from peagle_cluster import protocol as P
 from peagle_cluster.protocol import APIError
 from peagle_cluster.settings import AppSettings, serve_http_host, startup_warnings
 from peagle_cluster.stats_board import aggregate, get_or_create_board
+from peagle_cluster.metrics_vllm import CONTENT_TYPE, VLLMMetrics, speculative_decoding
+from peagle_cluster.tools import ToolCalls
 from peagle_cluster.telemetry import RouterMetrics, extract_context, finished_spans, inject_context, setup_tracing, tracer
 
 log = logging.getLogger("peagle.cluster")
@@ -118,6 +121,35 @@ async def cluster_stats(request: Request) -> Response:
     return JSONResponse(await f.cluster_stats())
 
 
+@api.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    """vLLM's: the token ids of a prompt or of chat messages (rendered as chat renders them)."""
+    return await _frontend(request).unary(request, P.TokenizeRequest, "tokenize", lambda r: r.replica_request())
+
+
+@api.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    return await _frontend(request).unary(request, P.DetokenizeRequest, "detokenize", lambda r: {"tokens": r.tokens})
+
+
+@api.get("/version")
+async def version(request: Request) -> Response:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        v = dist_version("peagle")
+    except PackageNotFoundError:
+        v = "unknown"
+    return JSONResponse({"version": v})
+
+
+@api.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text with vLLM's metric names (peagle_cluster.metrics_vllm); no API key, as vLLM's."""
+    f = _frontend(request)
+    return Response(f.vllm_metrics.render(await f.cluster_stats()), media_type=CONTENT_TYPE)
+
+
 @api.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     return await _frontend(request).complete(request, chat=True)
@@ -145,6 +177,9 @@ class Frontend:
         key = settings.resolved_api_key()
         self._key_hash = hashlib.sha256(key.encode()).digest() if key else None
         self.metrics = RouterMetrics(self.model)
+        self.vllm_metrics = VLLMMetrics(self.model)
+        cfg = settings.engine
+        self.num_spec_tokens = cfg.num_spec_tokens if cfg.spec_mode != "none" else 0
         self._info: dict[str, Any] | None = None
         self.created = int(time.time())
 
@@ -179,6 +214,20 @@ class Frontend:
         info = await self.info()
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "peagle",
                 "root": self.settings.engine_args.get("model"), "max_model_len": info["max_model_len"]}
+
+    async def unary(self, request: Request, model, method: str, payload) -> Response:
+        """A request answered by one replica call (`payload(req)` is what the replica gets); the replica's
+        error dict becomes the API error."""
+        self.authenticate(request)
+        req = P.parse_request(model, await self.read_body(request))
+        self.check_model(req.model)
+        try:
+            out = await getattr(self.engine, method).remote(payload(req))
+        except Exception as e:
+            raise _ray_error(e) from None
+        if out.get("event") == "error":
+            raise APIError(out["status"], out["message"], out.get("param"), out.get("code"))
+        return JSONResponse(out)
 
     async def cluster_stats(self) -> dict[str, Any]:
         if self.board is not None:
@@ -223,6 +272,12 @@ class Frontend:
             span.set_attribute("gen_ai.request.id", rid)
             span.set_attribute("gen_ai.request.model", self.model)
             span.set_attribute("peagle.stream", bool(req.stream))
+            if req.user:
+                span.set_attribute("enduser.id", req.user)
+            if not chat and len(req.prompts()) > 1:
+                resp = await self._complete_batch(rid, req, sampling, span, route, t0)
+                handed_off = isinstance(resp, StreamingResponse)  # the stream ends the span
+                return resp
             ereq = engine_request(rid, req, sampling, chat, trace_ctx=inject_context(span))
             stream = self.engine.options(stream=True).generate.remote(ereq)
             first = await _first_event(stream)
@@ -246,12 +301,16 @@ class Frontend:
                 span.end()
 
     async def _collect(self, rid: str, req, chat: bool, first: dict, stream, route: str, t0: float) -> Response:
-        content, reasoning, ev = [], [], first
+        content, reasoning, calls, ev, t_first, t_last, lps = [], [], ToolCalls(), first, None, None, []
         try:
             while ev["event"] == "delta":
+                lps += ev.get("logprobs") or []
+                t_first, t_last = self._token_times(ev, t_first, t_last)
                 content.append(ev.get("content", ev["text"]) if chat else ev["text"])
                 if chat and ev.get("reasoning"):
                     reasoning.append(ev["reasoning"])
+                if chat and ev.get("tool_calls"):
+                    calls.delta(ev["tool_calls"])
                 ev = await _next_event(stream)
         except BaseException:
             stream.cancel()  # the caller went away (or we failed): stop generating for nobody
@@ -259,44 +318,187 @@ class Frontend:
         if ev["event"] == "error":
             raise APIError(ev["status"], ev["message"], ev.get("param"), ev.get("code"))
         await _finish(stream)
-        use = P.usage(**ev["usage"])
+        use, extra = self._finished(ev, t0, t_first)
         created = P.now()
         if chat:
-            body = P.chat_response(rid, self.model, created, "".join(content), ev["finish_reason"], use,
-                                   reasoning="".join(reasoning) or None)
+            body = P.chat_response(rid, self.model, created, "".join(content), calls.finish_reason(ev["finish_reason"]),
+                                   use, reasoning=("".join(reasoning) or None) if req.include_reasoning is not False
+                                   else None, tool_calls=calls.calls,
+                                   logprobs=P.chat_logprobs(lps) if req.num_logprobs() is not None else None)
         else:
-            body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use)
+            body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use,
+                                         P.completion_logprobs(lps) if req.num_logprobs() is not None else None)
         self.metrics.observe(route, 200, time.perf_counter() - t0)
-        return JSONResponse(body)
+        return JSONResponse(body | extra)
+
+    def _token_times(self, ev: dict[str, Any], t_first: float | None, t_last: float | None):
+        """(first, last) arrival of a delta with tokens; the gaps between them are vLLM's inter-token latency."""
+        if not ev.get("num_tokens"):
+            return t_first, t_last
+        now = time.perf_counter()
+        if t_last is not None:
+            self.vllm_metrics.observe_step_gap(now - t_last)
+        return (t_first or now), now
+
+    async def _complete_batch(self, rid: str, req, sampling: dict[str, Any], span, route: str, t0: float) -> Response:
+        """Several prompts in one completions request: one engine request each, run together; choice i is
+        prompt i. A prompt the replica refuses fails the whole request (its 4xx names the prompt)."""
+        prompts = req.prompts()
+        streams = [self.engine.options(stream=True).generate.remote(
+            engine_request(f"{rid}-{i}", req, sampling, False, inject_context(span), prompt=p))
+            for i, p in enumerate(prompts)]
+        firsts = await asyncio.gather(*(_first_event(s) for s in streams), return_exceptions=True)
+        bad = next(((i, f) for i, f in enumerate(firsts) if isinstance(f, BaseException) or f["event"] == "error"),
+                   None)
+        if bad is not None:
+            for s in streams:
+                s.cancel()
+            i, f = bad
+            if isinstance(f, BaseException):
+                raise f if isinstance(f, APIError) else _ray_error(f)
+            raise APIError(f["status"], f"prompt {i}: {f['message']}", f.get("param"), f.get("code"))
+        if req.stream:
+            return StreamingResponse(self._sse_batch(rid, req, firsts, streams, span, route, t0),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            drained = await asyncio.gather(*(self._drain(f, s) for f, s in zip(firsts, streams)))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        choices, totals, specs = [], [0, 0], []
+        for i, (text, lps, ev, t_first) in enumerate(drained):
+            if ev["event"] == "error":
+                raise APIError(ev["status"], f"prompt {i}: {ev['message']}", ev.get("param"), ev.get("code"))
+            use, extra = self._finished(ev, t0, t_first)
+            totals = [totals[0] + use["prompt_tokens"], totals[1] + use["completion_tokens"]]
+            specs.append(ev.get("spec"))
+            lp = P.completion_logprobs(lps) if req.num_logprobs() is not None else None
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": ev["finish_reason"]})
+        body = P.completion_response(rid, self.model, P.now(), "", None, P.usage(*totals)) | {"choices": choices}
+        spec = speculative_decoding(_sum_specs(specs), self.num_spec_tokens)
+        self.metrics.observe(route, 200, time.perf_counter() - t0)
+        return JSONResponse(body | ({"metrics": {"speculative_decoding": spec}} if spec is not None else {}))
+
+    async def _drain(self, first: dict[str, Any], stream) -> tuple[str, list, dict[str, Any], float | None]:
+        """One completion stream to its end: (text, logprob entries, final or error event, first-token time)."""
+        text, lps, ev, t_first, t_last = [], [], first, None, None
+        while ev["event"] == "delta":
+            text.append(ev["text"])
+            lps += ev.get("logprobs") or []
+            t_first, t_last = self._token_times(ev, t_first, t_last)
+            ev = await _next_event(stream)
+        if ev["event"] == "final":
+            await _finish(stream)
+        return "".join(text), lps, ev, t_first
+
+    async def _sse_batch(self, rid: str, req, firsts: list[dict], streams: list, span, route: str,
+                         t0: float) -> AsyncIterator[bytes]:
+        """Chunks of every prompt as they come, each with its choice's index; the usage chunk sums them."""
+        created, queue = P.now(), asyncio.Queue()
+        offsets, t_first, t_last = [0] * len(streams), [None] * len(streams), [None] * len(streams)
+
+        async def pump(i: int, ev: dict[str, Any], stream) -> None:
+            try:
+                while True:
+                    await queue.put((i, ev))
+                    if ev["event"] != "delta":
+                        return
+                    ev = await _next_event(stream)
+            except APIError as e:
+                await queue.put((i, {"event": "error", "status": e.status, "message": e.message, "param": e.param,
+                                     "code": e.code}))
+
+        tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
+        done, totals, specs, completed = 0, [0, 0], [], False
+        try:
+            while done < len(streams):
+                i, ev = await queue.get()
+                if ev["event"] == "delta":
+                    t_first[i], t_last[i] = self._token_times(ev, t_first[i], t_last[i])
+                    if ev["text"] or ev.get("logprobs"):
+                        lp = P.completion_logprobs(ev["logprobs"], offsets[i]) if ev.get("logprobs") else None
+                        offsets[i] += len(ev["text"])
+                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, req.include_usage,
+                                                       lp, index=i))
+                elif ev["event"] == "final":
+                    done += 1
+                    use, _ = self._finished(ev, t0, t_first[i])
+                    totals = [totals[0] + use["prompt_tokens"], totals[1] + use["completion_tokens"]]
+                    specs.append(ev.get("spec"))
+                    yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"], req.include_usage,
+                                                   index=i))
+                    await _finish(streams[i])
+                else:
+                    span.set_attribute("error.type", str(ev.get("code") or ev["status"]))
+                    yield P.sse(P.error_body(ev["status"], f"prompt {i}: {ev['message']}", ev.get("param"),
+                                             ev.get("code")))
+                    break
+            else:
+                spec = speculative_decoding(_sum_specs(specs), self.num_spec_tokens)
+                if req.include_usage:
+                    yield P.sse(P.usage_chunk(rid, self.model, created, "text_completion", P.usage(*totals))
+                                | ({"metrics": {"speculative_decoding": spec}} if spec is not None else {}))
+            completed = True
+            yield P.SSE_DONE
+            self.metrics.observe(route, 200, time.perf_counter() - t0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.cancel()  # every stream has ended or is abandoned: cancelling an ended call is a no-op
+            if not completed:
+                span.set_attribute("peagle.client_disconnected", True)
+                self.metrics.observe(route, 499)
+            span.end()
+
+    def _finished(self, ev: dict[str, Any], t0: float, t_first: float | None) -> tuple[dict, dict]:
+        """A request's final event -> its `usage`, the response's extra keys (vLLM's `metrics`), and /metrics."""
+        u = ev["usage"]
+        use = P.usage(u["prompt_tokens"], u["completion_tokens"], u.get("cached_tokens", 0))
+        self.vllm_metrics.observe(None if t_first is None else t_first - t0, time.perf_counter() - t0,
+                                  u["prompt_tokens"], u["completion_tokens"], ev["finish_reason"], ev.get("spec"),
+                                  ev.get("phases"))
+        spec = speculative_decoding(ev.get("spec"), self.num_spec_tokens)
+        return use, ({"metrics": {"speculative_decoding": spec}} if spec is not None else {})
 
     async def _sse(self, rid: str, req, chat: bool, first: dict, stream, span, route: str,
                    t0: float) -> AsyncIterator[bytes]:
         created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
-        ev, completed = first, False
+        ev, completed, calls, t_first, t_last, offset = first, False, ToolCalls(), None, None, 0
+        show_reasoning = not chat or req.include_reasoning is not False
         try:
             if chat:
                 yield P.sse(P.chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None,
                                          include_usage))
             while True:
                 if ev["event"] == "delta":
+                    t_first, t_last = self._token_times(ev, t_first, t_last)
                     if chat:
                         delta = {}
-                        if ev.get("reasoning"):
-                            delta["reasoning_content"] = ev["reasoning"]
+                        if ev.get("reasoning") and show_reasoning:
+                            delta["reasoning"] = delta["reasoning_content"] = ev["reasoning"]
                         if ev.get("content"):
                             delta["content"] = ev["content"]
-                        if delta:
-                            yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage))
-                    elif ev["text"]:
-                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage))
+                        if ev.get("tool_calls"):
+                            delta["tool_calls"] = calls.delta(ev["tool_calls"])
+                        lp = P.chat_logprobs(ev["logprobs"]) if ev.get("logprobs") else None
+                        if delta or lp:
+                            yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage, lp))
+                    elif ev["text"] or ev.get("logprobs"):
+                        lp = P.completion_logprobs(ev["logprobs"], offset) if ev.get("logprobs") else None
+                        offset += len(ev["text"])
+                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage, lp))
                 elif ev["event"] == "final":
+                    use, extra = self._finished(ev, t0, t_first)
                     if chat:
-                        yield P.sse(P.chat_chunk(rid, self.model, created, {}, ev["finish_reason"], include_usage))
+                        last = P.chat_chunk(rid, self.model, created, {}, calls.finish_reason(ev["finish_reason"]),
+                                            include_usage)
                     else:
-                        yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"],
-                                                       include_usage))
+                        last = P.completion_chunk(rid, self.model, created, "", ev["finish_reason"], include_usage)
+                    yield P.sse(last | extra)  # vLLM's per-request metrics ride on the finish chunk
                     if include_usage:
-                        use = P.usage(**ev["usage"])
                         yield P.sse(P.usage_chunk(rid, self.model, created, obj, use))
                     completed = True
                     await _finish(stream)
@@ -324,6 +526,19 @@ class Frontend:
             span.end()
 
 
+def _sum_specs(specs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Speculation counters of several requests added up (per-position counts position by position)."""
+    specs = [s for s in specs if s is not None]
+    if not specs:
+        return None
+    width = max(len(s["num_accepted_tokens_per_pos"]) for s in specs)
+    out = {k: sum(s[k] for s in specs) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    out["num_accepted_tokens_per_pos"] = [sum(s["num_accepted_tokens_per_pos"][j]
+                                              for s in specs if j < len(s["num_accepted_tokens_per_pos"]))
+                                          for j in range(width)]
+    return out
+
+
 def _parent_context(request: Request):
     """The HTTP server span when the ASGI layer made one; else the caller's `traceparent` header."""
     from opentelemetry import trace
@@ -333,7 +548,8 @@ def _parent_context(request: Request):
     return extract_context(dict(request.headers))
 
 
-def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ctx: dict[str, str]) -> dict[str, Any]:
+def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ctx: dict[str, str],
+                   prompt: str | list[int] | None = None) -> dict[str, Any]:
     """The plain-dict request a replica's `generate` receives."""
     d: dict[str, Any] = {"request_id": rid, "kind": "chat" if chat else "completion", "sampling": sampling,
                          "max_tokens": req.requested_max_tokens(), "trace": trace_ctx, "sent_at": time.time()}
@@ -341,8 +557,12 @@ def engine_request(rid: str, req, sampling: dict[str, Any], chat: bool, trace_ct
         d["messages"] = req.template_messages()
         if req.reasoning_effort:
             d["reasoning_effort"] = req.reasoning_effort
+        d["tools"] = req.harmony_tools()
+        forced, name = req.forced_call()
+        if forced:  # the reply starts inside a call's header (harmony's way of requiring a call)
+            d["prefill"] = tool_call_prefill(name)
     else:
-        d["prompt"] = req.single_prompt()
+        d["prompt"] = req.single_prompt() if prompt is None else prompt
     return d
 
 

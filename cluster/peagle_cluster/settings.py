@@ -42,6 +42,10 @@ class DeploymentOptions(_Strict):
     max_constructor_retry_count: int | None = Field(default=None, ge=1)
     # tensor_parallel_size > 1: each replica reserves one placement-group bundle per rank (docs/tensor_parallel.md)
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # Ray Serve LLM's (peagle_cluster.ray_llm): one bundle per rank, bundle 0 holding the replica actor
+    placement_group_bundles: list[dict[str, float]] | None = None
+    accelerator_type: str | None = None  # replicas and their GPU bundles land on nodes with this GPU
+    runtime_env: dict[str, Any] | None = None  # the replica actor's
 
     @model_validator(mode="after")
     def _one_sizing(self) -> "DeploymentOptions":
@@ -115,19 +119,29 @@ class AppSettings(_Strict):
     def engine_actor_options(self) -> dict[str, Any]:
         """Resources of the replica actor itself (tensor-parallel rank 0): one GPU, or one CPU on a laptop.
         With tensor_parallel_size > 1 the other ranks get theirs from `engine_placement_bundles`."""
-        if self.deployment.ray_actor_options is not None:
-            return dict(self.deployment.ray_actor_options)
-        cfg = self.engine
-        on_gpu = (cfg.device or "cpu").startswith("cuda")
-        if on_gpu:
-            return {"num_gpus": 1, "num_cpus": 2}
-        return {"num_cpus": 1}
+        d = self.deployment
+        if d.ray_actor_options is not None:
+            opts = dict(d.ray_actor_options)
+        else:
+            on_gpu = (self.engine.device or "cpu").startswith("cuda")
+            opts = {"num_gpus": 1, "num_cpus": 2} if on_gpu else {"num_cpus": 1}
+        if d.accelerator_type:
+            opts["accelerator_type"] = d.accelerator_type
+        if d.runtime_env:
+            opts["runtime_env"] = {**(opts.get("runtime_env") or {}), **d.runtime_env}
+        return opts
 
     def engine_placement_bundles(self) -> list[dict[str, float]] | None:
         """tensor_parallel_size N > 1: one bundle per rank. Bundle 0 holds the replica actor (rank 0, sized by
         its ray_actor_options); bundles 1..N-1 hold one worker each (a GPU and a CPU, or a CPU on a laptop)."""
         cfg = self.engine
         n = cfg.tensor_parallel_size
+        given = self.deployment.placement_group_bundles
+        if given is not None:
+            if len(given) != n:
+                raise ValueError(f"invalid serve args: placement_group_bundles has {len(given)} bundles; "
+                                 f"tensor_parallel_size={n} needs one per rank")
+            return [self._with_accelerator(dict(b)) for b in given]
         if n == 1:
             return None
         actor = self.engine_actor_options()
@@ -142,7 +156,16 @@ class AppSettings(_Strict):
         if actor.get("memory"):
             first["memory"] = float(actor["memory"])
         worker = {"CPU": 1.0, "GPU": 1.0} if on_gpu else {"CPU": 1.0}
-        return [{k: v for k, v in first.items() if v > 0}] + [dict(worker) for _ in range(n - 1)]
+        bundles = [{k: v for k, v in first.items() if v > 0}] + [dict(worker) for _ in range(n - 1)]
+        return [self._with_accelerator(b) for b in bundles]
+
+    def _with_accelerator(self, bundle: dict[str, float]) -> dict[str, float]:
+        """Ray's custom resource for the accelerator type, on every bundle (the actor's `accelerator_type` asks
+        bundle 0 for it), as Ray Serve LLM places them."""
+        t = self.deployment.accelerator_type
+        if t:
+            bundle.setdefault(f"accelerator_type:{t}", 0.001)
+        return bundle
 
     def engine_deployment_options(self) -> dict[str, Any]:
         """Keyword arguments for `EngineReplica.options(...)`."""
@@ -235,6 +258,7 @@ def parse_app_args(args: dict[str, Any] | None) -> AppSettings:
     except ValidationError as e:
         raise ValueError(format_validation_error(e).replace("invalid engine arguments", "invalid serve args")) from None
     _check_autoscaling(settings)
+    settings.engine_placement_bundles()  # bundles that cannot hold the ranks fail here, not in the controller
     return settings
 
 

@@ -39,7 +39,7 @@ class ReplicaMetrics:
         self.waiting = Gauge("peagle_requests_waiting", "Requests waiting for a batch slot", tag_keys=keys)
         self.ongoing = Gauge("peagle_replica_ongoing_requests", "Requests this replica is serving", tag_keys=keys)
         self.kv_used = Gauge("peagle_kv_blocks_used", "Paged KV-cache blocks in use", tag_keys=keys)
-        self.kv_total = Gauge("peagle_kv_blocks_total", "Paged KV-cache blocks available", tag_keys=keys)
+        self.kv_total = Gauge("peagle_kv_blocks_capacity", "Paged KV-cache blocks available", tag_keys=keys)
         self.depth = Gauge("peagle_speculation_depth", "Draft tokens verified per step (k in use)", tag_keys=keys)
         self.accept_len = Gauge("peagle_spec_decode_acceptance_length",
                                 "Mean tokens per verify step: 1 + accepted / drafts", tag_keys=keys)

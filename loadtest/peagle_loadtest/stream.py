@@ -101,7 +101,8 @@ def spec_counts(obj: Any) -> dict[str, int] | None:
 def _choice_text(choice: dict[str, Any]) -> str:
     """Visible text of one streamed choice: chat delta content/reasoning, or completions text."""
     delta = choice.get("delta") or {}
-    parts = [delta.get("content"), delta.get("reasoning_content"), delta.get("reasoning"), choice.get("text")]
+    # `reasoning_content` is `reasoning`'s older name: a server may send both, with the same text
+    parts = [delta.get("content"), delta.get("reasoning", delta.get("reasoning_content")), choice.get("text")]
     return "".join(p for p in parts if isinstance(p, str))
 
 

@@ -159,7 +159,7 @@ class AsyncLLM:
         r = u.req
         return RequestOutput(
             r.request_id, r.prompt, r.prompt_token_ids,
-            [CompletionOutput(0, u.new_text, u.new_token_ids, r.finish_reason)], finished=r.finished,
+            [CompletionOutput(0, u.new_text, u.new_token_ids, r.finish_reason, u.new_logprobs)], finished=r.finished,
             spec_decode_stats=copy.deepcopy(r.stats), num_cached_tokens=r.num_cached_tokens or 0,
             metrics={"arrival_time": r.arrival_time, "first_scheduled_time": r.first_scheduled_time or 0.0,
                      "first_token_time": r.first_token_time or 0.0, "finished_time": r.finished_time or 0.0,

@@ -37,6 +37,7 @@ class Update:
     req: Request
     new_token_ids: list[int]
     new_text: str
+    new_logprobs: list[dict] | None = None  # with params.logprobs: one {token_id: Logprob} per new token
 
 
 def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -138,6 +139,7 @@ class LLMEngine:
                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
         self.runner = ModelRunner(self.target, self.drafter, self.mode, self.K, cfg.block_size, num_blocks,
                                   self.max_model_len, self.device, self.dtype, tcfg.vocab_size)
+        self.runner.stop_ids = self.stop_ids  # min_tokens holds these back
         # A depth that varies (every policy but fixed) may draft any n <= K: capture those drafter steps too
         varies = self.mode != "none" and (cfg.speculative_config.policy != "fixed" if policy is None
                                           else not isinstance(policy, FixedDepth))
@@ -207,6 +209,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
@@ -236,7 +240,9 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.texts[req.request_id] = TextState(self.tokenizer, req.params.stop)
+        p = req.params
+        self.texts[req.request_id] = TextState(self.tokenizer, p.stop, p.include_stop_str_in_output,
+                                               p.skip_special_tokens)
         self.scheduler.add(req)
         return req
 
@@ -299,7 +305,8 @@ class LLMEngine:
         self.last_k, self.num_steps = k, self.num_steps + 1
         now = time.monotonic()
         updates, accepted = [], []
-        for s, toks, acc, drafts in zip(batch, result.tokens, result.num_accepted, result.drafts):
+        lps = result.logprobs or [None] * len(batch)
+        for s, toks, acc, drafts, lp in zip(batch, result.tokens, result.num_accepted, result.drafts, lps):
             req = s.req
             if not s.samples:
                 req.num_computed += s.num_new
@@ -313,10 +320,15 @@ class LLMEngine:
                 accepted.append((s.num_drafts, acc))
             req.first_token_time = req.first_token_time or now
             new = self._append(req, toks)
+            if lp is not None:
+                lp = lp[:len(new)]  # a stop token or the length limit may have cut the step's tokens
+                if req.logprobs is None:
+                    req.logprobs = []
+                req.logprobs.extend(lp)
             text, stopped = self.texts[req.request_id].update(req)
             if stopped and not req.finished:
                 self.scheduler.finish(req, "stop")
-            updates.append(Update(req, new, text))
+            updates.append(Update(req, new, text, lp))
         for s in batch:  # the blocks this step made final become cacheable (finishing ones did in `finish`)
             if not s.req.finished:
                 self.blocks.commit(s.req)

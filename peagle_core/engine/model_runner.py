@@ -20,6 +20,8 @@ import torch
 from peagle_kernels.dispatch import use_triton
 from peagle_kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from peagle_kernels.sampling import rejection_sample
+from peagle_core.engine.logits_processors import needs_processing, process_logits
+from peagle_core.engine.logprobs import emitted_logprobs, host_logprobs
 from peagle_core.engine.graphs import GraphRunner, HostForward, is_uniform_decode
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.engine.types import SamplingParams
@@ -78,6 +80,7 @@ class StepResult:
     tokens: list[list[int]]       # per scheduled request: emitted tokens (accepted drafts + bonus); [] if not sampling
     num_accepted: list[int]
     drafts: list[list[int]]       # per request: K new drafts (empty without a drafter)
+    logprobs: list | None = None  # per request: a {token_id: Logprob} per emitted token, where it asked (logprobs.py)
 
 
 def forward_ints(f: HostForward, width: int) -> list[list[int]]:
@@ -106,6 +109,7 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, device: torch.device, dtype: torch.dtype,
                  vocab_size: int):
         self.target, self.drafter, self.mode, self.K = target, drafter, mode, num_spec
+        self.stop_ids: set[int] = set()  # end-of-turn ids, which min_tokens holds back (the engine sets them)
         for model in (target, drafter):
             if model is not None:
                 pack_qkv(model)
@@ -166,7 +170,7 @@ class ModelRunner:
             inp, (input_ids, meta) = self._upload(host, width)
             hidden, aux = self.target(input_ids, meta)
 
-        tokens, num_accepted, next_ids = self._verify(batch, hidden, inp)
+        tokens, num_accepted, next_ids, lps = self._verify(batch, hidden, inp)
         drafts = None
         if self.drafter is not None and n == 0:
             self._fall_behind(batch, aux, host.forward.query_start_loc, T)
@@ -175,7 +179,7 @@ class ModelRunner:
             drafts = self._draft(key, uniform, input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
         if while_busy is not None and self._device_busy():
             while_busy(self._device_busy)
-        return self._to_host(batch, tokens, num_accepted, drafts)
+        return self._to_host(batch, tokens, num_accepted, drafts, lps)
 
     def _device_busy(self) -> bool:
         """Whether the step's work is still queued on the device (a host-bound step, e.g. the tiny pair's steps
@@ -235,22 +239,30 @@ class ModelRunner:
         dev, B = self.device, len(batch)
         if not inp.sampling_host:
             tokens = torch.full((B, self.K + 1), -1, dtype=torch.long, device=dev)
-            return tokens, torch.zeros(B, dtype=torch.long, device=dev), inp.next_ids
+            return tokens, torch.zeros(B, dtype=torch.long, device=dev), inp.next_ids, None
         logits = self.target.compute_logits(hidden if inp.all_rows else hidden[inp.rows]).float()
+        reqs = [batch[i].req for i in inp.sampling_host]
+        if any(needs_processing(r.params) for r in reqs):
+            logits = process_logits(logits, reqs, inp.cu_host, self.stop_ids)
         top_k, top_p = (inp.top_k, inp.top_p) if inp.filtered else (None, None)
         uniforms, noise = self._noise([batch[i] for i in inp.sampling_host], inp.cu_host, logits.shape[1])
         sampled, accepted = rejection_sample(logits, inp.draft_ids, inp.cu, inp.temperature, top_k, top_p,
                                              uniforms, noise, max_rows=self.K + 1)
         next_sampled = sampled.gather(1, accepted[:, None])[:, 0]
+        wants = [batch[i].req.params.logprobs for i in inp.sampling_host]
+        lps = None
+        if any(n is not None for n in wants):
+            lps = (emitted_logprobs(logits, sampled, inp.cu, inp.temperature, top_k, top_p, max(n or 0 for n in wants)),
+                   sampled, accepted, wants, inp.cu_host)
         if len(inp.sampling_host) == B:  # every request samples (decode): no scatter
-            return sampled, accepted, next_sampled
+            return sampled, accepted, next_sampled, lps
         tokens = torch.full((B, self.K + 1), -1, dtype=torch.long, device=dev)
         num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
         tokens[inp.sampling] = sampled
         num_accepted[inp.sampling] = accepted
         next_ids = inp.next_ids.clone()
         next_ids[inp.sampling] = next_sampled
-        return tokens, num_accepted, next_ids
+        return tokens, num_accepted, next_ids, lps
 
     @torch.inference_mode()
     def warm_up_sampling(self) -> None:
@@ -393,7 +405,7 @@ class ModelRunner:
         block = block_tables[req_index, p // self.block_size]
         return torch.where(ok, block * self.block_size + p % self.block_size, torch.full_like(p, -1))
 
-    def _to_host(self, batch, tokens, num_accepted, drafts) -> StepResult:
+    def _to_host(self, batch, tokens, num_accepted, drafts, lps=None) -> StepResult:
         """The step's one device-to-host copy: emitted tokens, accepted counts and drafts side by side."""
         K1 = tokens.shape[1]
         parts = [tokens, num_accepted[:, None]] + ([drafts] if drafts is not None else [])
@@ -403,4 +415,11 @@ class ModelRunner:
             self.graphs.target.device_idle()
         out_tokens = [r[:r[K1] + 1] if s.samples else [] for s, r in zip(batch, rows)]
         drafts = [r[K1 + 1:] for r in rows]
-        return StepResult(out_tokens, [r[K1] for r in rows], drafts)
+        logprobs = None
+        if lps is not None:  # after the step's sync: these copies wait for nothing
+            dev_rows, sampled, accepted, wants, cu = lps
+            per_sampling = host_logprobs(dev_rows, cu, accepted.tolist(), sampled.tolist(), wants)
+            logprobs = [None] * len(batch)
+            for j, i in enumerate(i for i, s in enumerate(batch) if s.samples):
+                logprobs[i] = per_sampling[j]
+        return StepResult(out_tokens, [r[K1] for r in rows], drafts, logprobs)

@@ -8,9 +8,9 @@ from peagle_core.loading.tokenizer import IncrementalDetokenizer, StopFilter
 class TextState:
     """One request's streamed text: incremental detokenization, then the stop-string filter."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.filter = StopFilter(stops)
+    def __init__(self, tokenizer, stops: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        self.filter = StopFilter(stops, include_stop)
         self.num_ids = 0
 
     def update(self, req: Request) -> tuple[str, bool]:

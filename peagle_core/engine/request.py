@@ -40,6 +40,7 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    logprobs: list[dict] | None = None  # with params.logprobs: one {token_id: Logprob} per output token
     num_steps: int = 0  # steps that emitted tokens for it: the first from its prompt, each later one a decode step
 
     def __post_init__(self) -> None:

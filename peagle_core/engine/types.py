@@ -19,6 +19,16 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None  # per emitted token: its log-probability and this many most likely (vLLM's)
+    # vLLM's logits processors, exact under speculation (engine/logits_processors.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +45,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1 or self.top_k > INT64_MAX:
             raise ValueError(f"top_k must be -1 (disabled) or in [1, 2**63), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logit_bias and not all(type(t) is int and t >= 0 and -100 <= b <= 100
+                                       for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
@@ -85,6 +109,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    logprobs: list[dict] | None = None  # with SamplingParams.logprobs: {token_id: Logprob} per token (vLLM's)
+    reasoning: str | None = None  # LLM.chat: the harmony reply's analysis channel (`text` is its content)
+    tool_calls: list[dict] | None = None  # LLM.chat: the calls the reply made, {"name", "arguments"}
 
 
 @dataclass

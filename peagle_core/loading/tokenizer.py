@@ -14,6 +14,8 @@ from typing import Any, Iterable, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer, decoders
 
+from peagle_core.loading.harmony_tools import TOOLS_CHANNEL_LINE, tools_section
+
 # --------------------------------------------------------------------------------------------
 # Harmony format (gpt-oss). Layout of one message: <|start|>{header}<|message|>{content}<|end|>
 # --------------------------------------------------------------------------------------------
@@ -37,6 +39,8 @@ def _content_text(message: dict, index: int) -> str:
     content = message.get("content")
     if isinstance(content, str):
         return content
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        return ""  # OpenAI: an assistant message that only calls tools has null content
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -64,7 +68,7 @@ def validate_messages(messages: Any) -> list[tuple[str, str, dict]]:
         role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"messages[{i}]: role must be one of {', '.join(ROLES)}; got {role!r}")
-        if "content" not in m:
+        if "content" not in m and not (role == "assistant" and m.get("tool_calls")):
             raise ValueError(f"messages[{i}] ({role}) has no 'content'")
         name = m.get("name")
         if name is not None and not isinstance(name, str):
@@ -74,7 +78,8 @@ def validate_messages(messages: Any) -> list[tuple[str, str, dict]]:
 
 
 def harmony_system_content(reasoning_effort: str | None = None, model_identity: str = DEFAULT_MODEL_IDENTITY,
-                           knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF, current_date: str | None = None) -> str:
+                           knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF, current_date: str | None = None,
+                           has_tools: bool = False) -> str:
     """The body of harmony's system message: identity/dates block, reasoning level, valid channels."""
     effort = (reasoning_effort or DEFAULT_REASONING_EFFORT)
     if not isinstance(effort, str) or effort.lower() not in REASONING_EFFORTS:
@@ -82,15 +87,54 @@ def harmony_system_content(reasoning_effort: str | None = None, model_identity: 
     head = [model_identity, f"Knowledge cutoff: {knowledge_cutoff}"]
     if current_date:
         head.append(f"Current date: {current_date}")
-    return "\n\n".join(["\n".join(head), f"Reasoning: {effort.lower()}", CHANNELS_LINE])
+    channels = CHANNELS_LINE + ("\n" + TOOLS_CHANNEL_LINE if has_tools else "")
+    return "\n\n".join(["\n".join(head), f"Reasoning: {effort.lower()}", channels])
 
 
-def _developer(instructions: str) -> str:
-    return f"{START}developer{MESSAGE}# Instructions\n\n{instructions}{END}"
+def today() -> str:
+    """The `Current date` gpt-oss's template writes (UTC, so every replica agrees)."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def _developer(instructions: str, tools: list[dict] | None = None) -> str:
+    sections = [f"# Instructions\n\n{instructions}"] if instructions.strip() else []
+    if tools:
+        sections.append(tools_section(tools))
+    return f"{START}developer{MESSAGE}" + "\n\n".join(sections) + END
+
+
+def function_tools(tools: Any) -> list[dict]:
+    """OpenAI's `tools` ([{"type": "function", "function": {...}}]) or bare function dicts -> function dicts."""
+    if tools is None:
+        return []
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list, got {type(tools).__name__}")
+    out = []
+    for i, t in enumerate(tools):
+        fn = t.get("function", t) if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': str, ...}}}}")
+        out.append(fn)
+    return out
+
+
+def _tool_call_header(name: str) -> str:
+    return f"{START}assistant to=functions.{name}{CHANNEL}commentary {CONSTRAIN}json{MESSAGE}"
+
+
+def tool_call_prefill(name: str | None) -> str:
+    """Text after the generation prompt that makes the reply a call: to `name`, or (None) to a tool the
+    model names. OpenAI's `tool_choice` required / a named function."""
+    if name is None:
+        return " to=functions."
+    return _tool_call_header(name).removeprefix(f"{START}assistant")
 
 
 def apply_chat_template(messages: list[dict], add_generation_prompt: bool = True,
                         reasoning_effort: str | None = None, system_prompt: str | None = None, *,
+                        tools: list[dict] | None = None,
                         model_identity: str = DEFAULT_MODEL_IDENTITY,
                         knowledge_cutoff: str = DEFAULT_KNOWLEDGE_CUTOFF,
                         current_date: str | None = None) -> str:
@@ -99,38 +143,76 @@ def apply_chat_template(messages: list[dict], add_generation_prompt: bool = True
     - The harmony system message (identity, knowledge cutoff, optional date, reasoning, channels) comes first.
     - Leading "system"/"developer" messages become ONE developer message "# Instructions\\n\\n{content}"
       (OpenAI's system role is harmony's developer role); `system_prompt` is used when there are none.
-      A system/developer message later in the chat renders in place as its own developer message.
-    - Assistant history renders on the final channel; prior reasoning is not replayed (harmony drops it).
-    - Tool results render as `functions.{name} to=assistant` on the commentary channel.
+      `tools` (OpenAI function definitions) follow as its "# Tools" section. A system/developer message
+      later in the chat renders in place as its own developer message.
+    - Assistant history renders on the final channel. Its reasoning (`reasoning`, or `reasoning_content`)
+      renders on the analysis channel only after the last user message (the turn in progress, which may
+      be calling tools), as gpt-oss's template does; earlier turns' reasoning is dropped.
+    - An assistant's `tool_calls` render as calls to `functions.NAME` on the commentary channel, ending in
+      <|call|>; tool results as `functions.NAME to=assistant`, NAME found by `tool_call_id`.
     - The generation prompt is `<|start|>assistant`; the model writes the channel itself.
     """
     items = validate_messages(messages)
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"system_prompt must be a string, got {type(system_prompt).__name__}")
+    fns = function_tools(tools)
     parts = [f"{START}system{MESSAGE}"
-             f"{harmony_system_content(reasoning_effort, model_identity, knowledge_cutoff, current_date)}{END}"]
+             f"{harmony_system_content(reasoning_effort, model_identity, knowledge_cutoff, current_date, bool(fns))}"
+             f"{END}"]
 
     n_lead = 0
     while n_lead < len(items) and items[n_lead][0] in ("system", "developer"):
         n_lead += 1
     lead = [text for _, text, _ in items[:n_lead] if text.strip()]
     instructions = "\n\n".join(lead) if n_lead else (system_prompt or "")
-    if instructions.strip():
-        parts.append(_developer(instructions))
+    if instructions.strip() or fns:
+        parts.append(_developer(instructions, fns))
 
-    for role, text, m in items[n_lead:]:
+    last_user = max((i for i, (role, _, _) in enumerate(items) if role == "user"), default=-1)
+    call_names: dict[str, str] = {}
+    for i, (role, text, m) in enumerate(items[n_lead:], start=n_lead):
         if role in ("system", "developer"):
             parts.append(_developer(text))
         elif role == "user":
             parts.append(f"{START}user{MESSAGE}{text}{END}")
         elif role == "assistant":
-            parts.append(f"{START}assistant{CHANNEL}final{MESSAGE}{text}{END}")
+            parts.extend(_assistant(i, text, m, keep_reasoning=i > last_user, call_names=call_names))
         else:  # tool
-            name = m.get("name") or "tool"
+            name = m.get("name") or call_names.get(m.get("tool_call_id"))
+            if name is None and m.get("tool_call_id") is None:
+                name = "tool"  # an anonymous result: nothing to name it by
+            if name is None:
+                raise ValueError(f"messages[{i}] (tool): tool_call_id {m.get('tool_call_id')!r} matches no earlier "
+                                 "assistant tool call, and the message has no name")
             parts.append(f"{START}functions.{name} to=assistant{CHANNEL}commentary{MESSAGE}{text}{END}")
     if add_generation_prompt:
         parts.append(f"{START}assistant")
     return "".join(parts)
+
+
+def _assistant(i: int, text: str, m: dict, keep_reasoning: bool, call_names: dict[str, str]) -> list[str]:
+    out = []
+    reasoning = m.get("reasoning") or m.get("reasoning_content")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ValueError(f"messages[{i}] (assistant): reasoning must be a string")
+    if reasoning and keep_reasoning:
+        out.append(f"{START}assistant{CHANNEL}analysis{MESSAGE}{reasoning}{END}")
+    calls = m.get("tool_calls") or []
+    if not calls:
+        return out + [f"{START}assistant{CHANNEL}final{MESSAGE}{text}{END}"]
+    if text:  # a preamble the model said to the user before calling
+        out.append(f"{START}assistant{CHANNEL}commentary{MESSAGE}{text}{END}")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must have function.name and function.arguments")
+        args = fn.get("arguments") or "{}"
+        if not isinstance(args, str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON string")
+        if call.get("id"):
+            call_names[call["id"]] = fn["name"]
+        out.append(f"{_tool_call_header(fn['name'])}{args}{CALL}")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,6 +483,11 @@ def stop_string_match(text: str, stops: Sequence[str]) -> int | None:
     return best
 
 
+def stop_length_at(text: str, at: int, stops: Sequence[str]) -> int:
+    """Length of the stop string `stop_string_match` found at `at` (the first listed that starts there)."""
+    return next(len(s) for s in stops if s and text.startswith(s, at))
+
+
 def holdback(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters of `text` could be the start of a stop string.
 
@@ -423,8 +510,9 @@ class StopFilter:
     (while it could still become one it was held back), so a push costs what its text does, not what the
     whole output does."""
 
-    def __init__(self, stops: Sequence[str] | None):
+    def __init__(self, stops: Sequence[str] | None, include: bool = False):
         self.stops = [s for s in (stops or []) if s]
+        self.include = include  # vLLM's include_stop_str_in_output: the stop string ends the text, kept
         self.pending = ""  # pushed but not sent: shorter than the longest stop string
         self._sent: list[str] = []
         self.stopped = False
@@ -436,7 +524,7 @@ class StopFilter:
         text = self.pending + new
         hit = stop_string_match(text, self.stops)
         if hit is not None:
-            self.stopped, upto = True, hit
+            self.stopped, upto = True, hit + (stop_length_at(text, hit, self.stops) if self.include else 0)
         else:
             upto = len(text) - (0 if final else holdback(text, self.stops))
         delta, self.pending = text[:upto], text[upto:]
