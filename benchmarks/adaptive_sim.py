@@ -263,7 +263,7 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
     the policy (the policy predicted, and its grid learnt, the depth it asked for, whatever was verified), for
     before/after figures. `switch_s`: a decode step after a step of another shape (another batch size or k, or
     one with prompt tokens) costs this much more: on the tiny pair's H200 probes a k = 7 step after one of another
-    shape took 57-90 us more, for every policy (docs/adaptive_log.md)."""
+    shape took 57-90 us more, for every policy."""
     n = max(C * waves, min_requests)
     noise = random.Random(seed + 7 * C)
     lengths = request_lengths(n, max_tokens, seed)

@@ -57,7 +57,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gc_pauses import Pauses
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_FORMAT = "peagle-acceptance-trace/1"
@@ -74,6 +73,31 @@ PAIRED_NOTE = ("Paired episodes: at each level, after an untimed warm-up wave, {
                "lengths are fixed (ignore_eos), so every policy emitted the same tokens, and a cell is its episodes'"
                " tokens over their wall time (ramp and drain included, the same workload for every policy). TPOT: "
                "the mean of the episodes' means. A round is one engine build; the rounds' spread is between builds.")
+
+
+class Pauses:
+    """The garbage collector's pauses inside the `with` block: (generation, seconds) for each collection."""
+
+    def __enter__(self) -> "Pauses":
+        self.pauses: list[tuple[int, float]] = []
+        self._started: list[float] = []
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started.append(time.perf_counter())
+        elif self._started:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started.pop()))
+
+    def total_ms(self) -> float:
+        return 1e3 * sum(s for _, s in self.pauses)
+
+    def max_ms(self) -> float:
+        return 1e3 * max((s for _, s in self.pauses), default=0.0)
 FIXED_DEFAULT = (1, 3, 5, 7)
 POLICIES_DEFAULT = ("none", "K1", "K3", "K5", "K7", "adaptive", "batch_table", "ema_tiers")
 BAR_FRACTION = 0.97  # issue 10: adaptive >= 0.97 x the best fixed K at every concurrency
@@ -561,8 +585,7 @@ def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slic
     H200, where cells two seconds apart differed by up to 40%), every policy then runs at every moment's host
     speed, and the drift cancels in the ratios. The policies keep their state across their slices. The order is
     shuffled each cycle: a rotation kept each policy's predecessor the same, so an effect a turn inherits from
-    the one before was not averaged out (docs/adaptive_log.md: the tiny pair at one request, adaptive 10% ahead of a
-    K7 it matched step for step)."""
+    the one before was not averaged out."""
     from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 
     rng, order, names, n = random.Random(seed), random.Random(seed + 1), list(policies), 0
@@ -601,7 +624,7 @@ def run_paired(engine, policies: dict[str, Any], prompts: list, C: int, episodes
 
     Paired, where `run_switchback` is not: in its turns at 1-4 requests a policy served two or three requests, and
     acceptance differs by prompt, so the policies' tokens a step differed by up to 16% either way (the tiny pair
-    on an H200, docs/adaptive_log.md); here every policy serves the same requests and emits the same tokens, so the
+    on an H200); here every policy serves the same requests and emits the same tokens, so the
     ratio of two cells is the ratio of their times. Short episodes in a shuffled order keep what the switchback
     gave: every policy runs at every moment's host speed. The policies keep their state across episodes.
     `restart(first)` runs before each policy's run (`AcceptanceReplay.restart`: the same replayed acceptance for
@@ -1000,92 +1023,6 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
     return result
 
 
-def diagnose(path: Path, log=print) -> None:
-    """Figures derived from a committed sweep JSON (docs/adaptive_log.md cites them): adaptive over the best fixed K
-    by the whole level (output tokens over the level's wall time, not the steady window), each cell's time per
-    step (its output tokens per step over its throughput), the loop's host time per step where the sweep
-    recorded it (outside the device steps), and the adaptive policy's host time per step (`choose` + `observe`
-    on this machine, on the grid the sweep's engine profiled at 4 requests)."""
-    result = json.loads(path.read_text())
-    rounds = [{**c, "level_tok_s": c["output_tokens"] / c["wall_s"],
-               "step_ms": 1e3 * c["output_tokens"] / c["steps"] / c["throughput_tok_s"],
-               "host_ms_per_step": c.get("host_ms_per_step", estimated_host_ms(c))}
-              for c in result["cells_by_round"] if c.get("status") == "ok"]
-    cells, conc = combine_rounds(rounds), result["concurrency"]
-    window = {b["concurrency"]: b for b in bar_rows(cells, result["fixed"], conc)}
-    for b in bar_rows(cells, result["fixed"], conc, key="level_tok_s"):
-        C = b["concurrency"]
-        row = [c for c in cells if c["concurrency"] == C]
-        steps = " ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in row)
-        host = " ".join(f"{c['policy']} {1e3 * c['host_ms_per_step']:.0f}" for c in row
-                        if c.get("host_ms_per_step") is not None)
-        log(f"C={C:<3} adaptive/best: window {window[C]['over_best']:.3f} ({window[C]['best_fixed']}), "
-            f"whole level {b['over_best']:.3f} ({b['best_fixed']}); ms a step: {steps}"
-            + (f"; host us a step: {host}" if host else ""))
-    if any(c["policy"] == "adaptive" and "step_grid" in c for c in cells):
-        from adaptive_sim import recorded_start_up_grid  # (it imports this module: not at the top)
-
-        grid = recorded_start_up_grid(result)
-        for batch in (4, 16, 64):
-            r = policy_loop(grid, batch)
-            log(f"adaptive policy host time: tight loop at {batch} requests, choose {r['choose_us']:.1f} + observe "
-                f"{r['observe_us']:.1f} us a step (learn {r['learn_us']:.1f}, while the device runs); "
-                f"mean k {r['mean_k']:.2f}, k digest {r['k_digest']}")
-
-
-def estimated_host_ms(cell: dict[str, Any]) -> float | None:
-    """A round's host ms a step for sweeps before `host_ms_per_step` was recorded: its wall time less its device
-    steps, these rebuilt from the per-k fields (decode steps split by `k_share`, which also counts the steps with
-    a prompt chunk, so an estimate). None without those fields."""
-    ms, share = cell.get("decode_step_ms_at_k"), cell.get("k_share", {})
-    if not ms or "other_steps" not in cell:
-        return None
-    decode = cell["steps"] - cell["other_steps"]
-    mean = sum(share.get(k, 0.0) * t for k, t in ms.items()) / max(sum(share.get(k, 0.0) for k in ms), 1e-12)
-    device_ms = decode * mean + cell["other_steps"] * cell["other_step_ms"]
-    return (1e3 * cell["wall_s"] - device_ms) / cell["steps"]
-
-
-def policy_loop(grid: dict[int, list[float]], batch: int = 4, steps: int = 3000) -> dict[str, Any]:
-    """The adaptive policy on a start-up grid (seconds per batch size and k) over synthetic steps, in a tight loop:
-    its host microseconds a step in `choose` and `observe` (what it adds between two device steps) and in `learn`
-    (run while one executes), and a digest of the k it asked for (the same digest from two checkouts: the same
-    choices). One request in four steps is missing, so the batch size moves as in a closed loop. Between real
-    engine steps the policy runs several times slower (host_time.py's policy_us_per_step)."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
-    from peagle_core.spec.depth import StepInfo, StepOutcome
-
-    K = len(next(iter(grid.values()))) - 1
-    policy = AdaptiveDepth(K, StepGrid(grid))
-    rng, drafts, asked = random.Random(0), K, []
-    parts = {"choose": 0.0, "learn": 0.0, "observe": 0.0}
-    for i in range(steps):
-        b = max(1, batch - (i % 4 == 0))
-        info = StepInfo(b, 0, K, drafts)
-        t0 = time.perf_counter()
-        want = policy.choose(info)
-        t1 = time.perf_counter()
-        policy.learn()
-        t2 = time.perf_counter()
-        v = min(want, drafts)
-        outcome = StepOutcome(v, [(v, min(v, rng.randrange(4))) for _ in range(b)],
-                              policy.times.step(b, v) * rng.uniform(0.9, 1.1), b * (1 + v), drafted=want)
-        t3 = time.perf_counter()
-        policy.observe(info, outcome)
-        parts["choose"] += t1 - t0
-        parts["learn"] += t2 - t1
-        parts["observe"] += time.perf_counter() - t3
-        asked.append(want)
-        drafts = want
-    return {**{f"{name}_us": 1e6 * t / steps for name, t in parts.items()},
-            "k_digest": zlib.crc32(bytes(asked)), "mean_k": sum(asked) / steps}
-
-
-# ------------------------------------------------------------------------------------------------
-# Report: JSON + markdown + PNG (shared with adaptive_sim.py)
-# ------------------------------------------------------------------------------------------------
-
-
 def bar_rows(cells: list[dict[str, Any]], fixed: list[int], concurrency: list[int],
              key: str = "throughput_tok_s", policy: str = "adaptive", depth: int | None = None
              ) -> list[dict[str, Any]]:
@@ -1382,10 +1319,6 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("parts", nargs="+", help="the sweeps' --out directories (each with sweep.json)")
     m.add_argument("--out", required=True)
 
-    d = sub.add_parser("diagnose", help="figures derived from a sweep JSON: whole-level ratios, ms a step, "
-                       "the adaptive policy's host time")
-    d.add_argument("sweep_json")
-
     t = sub.add_parser("steps", help="measure a step-time table T(batch, k) for adaptive_sim.py")
     t.add_argument("--shape", default="tiny", choices=["tiny", "random-tiny", "20b", "120b"])
     t.add_argument("--mode", default="peagle", choices=["peagle", "eagle3"])
@@ -1412,8 +1345,6 @@ def main(argv: list[str] | None = None) -> int:
             sweep(a, log)
         elif a.cmd == "merge":
             merge([Path(p) for p in a.parts], Path(a.out))
-        elif a.cmd == "diagnose":
-            diagnose(Path(a.sweep_json))
         elif a.cmd == "record":
             from peagle_core.loading.tokenizer import Tokenizer
             from peagle_core.loading.hub import resolve

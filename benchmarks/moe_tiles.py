@@ -22,7 +22,7 @@ from peagle_core.bench import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
 # (block_m, up_n, down_n, block_k, num_warps, num_stages) per layer; each list starts with the shipped choice
-# for T <= 32. The eight candidates the first runs shared (docs/benchmarks/moe_tiles_shared.md) left bf16 flat
+# for T <= 32. Eight shared candidates left bf16 flat
 # around the shipped tiles and MXFP4 best at 2 warps, so each list now varies what those runs did not isolate:
 # bf16's down tile alone (its 180 programs on 132 SMs), MXFP4's warps and tiles around 2 warps.
 CANDIDATES = {

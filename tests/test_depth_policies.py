@@ -476,8 +476,8 @@ def test_a_drifting_host_does_not_move_a_flat_profile_off_full_depth():
     """Host-bound steps (the tiny pair on an H200): true step times flat in k, the host's speed wandering by ~20%
     over ~100 steps plus 17% jitter a step, the 4-layer head's acceptance at 8 requests, where k = 7 is best by
     8%. The level follows the drift; the shape must not take a drift caught at a rarely run k for that k's
-    cost. (The H200 sweep's adaptive cells did move off k = 7 there, docs/adaptive_log.md; this model of the host
-    does not reproduce that.)"""
+    cost. (An H200 sweep's adaptive cells did move off k = 7 there; this model of the host does not reproduce
+    that.)"""
     from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
 
     rates = [0.80, 0.84, 0.88, 0.90, 0.91, 0.93, 0.93]  # tiny_peagle_k7_stage3.json, per position
@@ -493,7 +493,7 @@ def test_a_drifting_host_does_not_move_a_flat_profile_off_full_depth():
 
 
 def test_a_host_that_changes_speed_does_not_charge_the_k_that_ran_then():
-    """The tiny pair on an H200, as traced (policy_overhead.py, docs/adaptive_log.md): steps flat in k at 8 requests
+    """The tiny pair on an H200, as traced: steps flat in k at 8 requests
     (0.83-0.90 ms at k = 5, 6, 7), but the host running 1.55x slower for a stretch now and then, and the first
     steps of a level slow; the start-up profile (the probe's, rows 1-8) charging k = 6, 7 ~14% more than k = 5.
     k = 7 is best (acceptance length 4.9 against 4.2 at k = 5 for the same time). Taken against the fixed
@@ -870,7 +870,7 @@ def test_steps_kept_through_steps_without_learn_fold_later_into_the_same_choices
 
 
 def test_learn_ranks_once_in_rank_every_steps_and_a_change_in_acceptance_is_followed_within_them():
-    """On a host-bound engine `learn` outlasted the device's work (docs/adaptive_log.md), so in a steady state it ranks
+    """On a host-bound engine `learn` outlasted the device's work, so in a steady state it ranks
     and folds the step times in once in RANK_EVERY steps, the times of one shape in one update; the choices do not
     rank in between, and when every draft starts to fail the policy leaves deep speculation at most RANK_EVERY
     steps later than one that ranks every step."""

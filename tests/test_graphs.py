@@ -516,7 +516,7 @@ def test_triton_kernels_with_graphs_give_the_reference_greedy_tokens(mode, k):
 def test_live_steps_compile_no_new_triton_variants_whatever_their_sizes(tiny_pair, reference):
     """Prompt chunks (mixed steps) and the verify's sampling run their Triton kernels outside the graphs, at
     sizes and buffer offsets that change step by step. A kernel specialised on those compiled a new variant in
-    the middle of a run, 0.1-0.4 s each on an H200 (docs/adaptive_log.md); now none compiles more than one variant
+    the middle of a run, 0.1-0.4 s each on an H200; now none compiles more than one variant
     in such a run, a sampled request at its end included."""
     from peagle_kernels.dispatch import compiled_variants
     from peagle_core.spec.depth import DepthPolicy

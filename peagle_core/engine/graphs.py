@@ -167,9 +167,8 @@ class GraphSet:
     runs at a time, and a key's graph reads only its own stretch. A staged set (rank 0's target) keeps a pinned
     twin of that buffer: the host writes a step's lists into it (`run_host`) and the graph's first node copies the
     key's stretch in (block tables at full width: at bs 64 and 32k tokens a 1 MB copy, tens of microseconds of a
-    ~13 ms 20B-shape step), so before the launch the host makes no CUDA call at all. (On the lent H200's virtual machines
-    each CUDA call cost the host 10-20 us, and the step's upload and the copies into these buffers 140-290 us
-    before the device had anything to run: docs/benchmarks/ab_uploads.md.) Other sets load device tensors (`run`):
+    ~13 ms 20B-shape step), so before the launch the host makes no CUDA call at all (each costs the host 10-20 us
+    on a virtual machine, while the device waits). Other sets load device tensors (`run`):
     the drafter's (inputs made on the device) and the tensor-parallel workers' (broadcast from rank 0)."""
 
     def __init__(self, name: str, forward: Forward, buckets: list[int], max_tokens_per_seq: int,

@@ -64,7 +64,7 @@ def reclaim_dropped_engines() -> None:
     keeps no reference to its runner for this reason; this is the safety net for a process that builds engine after
     engine, like the benchmarks' rounds). Not on a CPU: a test checks that reference counting frees a dropped CPU
     engine, frozen or not, and unfreezing at every start-up makes each start-up's collection walk the whole heap
-    again (two test files 34.9 s against 20.1 s without a freeze; docs/adaptive_log.md)."""
+    again (the test suite's engines would pay it at every build)."""
     if not gc.get_freeze_count():
         return
     gc.unfreeze()
@@ -75,9 +75,8 @@ def reclaim_dropped_engines() -> None:
 def freeze_heap() -> None:
     """Move every object alive after start-up (weights' modules, tokenizer tables, graphs' bookkeeping: ~300 k on
     the tiny pair) into the collector's permanent generation, after one last collection. A full collection walks
-    every tracked object: 110-130 ms on this project's CPU; on the H200 host a single step stalled 175-212 ms, about
-    once in 2000 steps at 64 requests (policy_overhead_*_c64.json; vLLM freezes after start-up for the same reason).
-    After the freeze it walks only what serving made since (one full collection: 0.05 ms, gc_pauses_cpu.json)."""
+    every tracked object, ~0.1-0.2 s that stalls whichever step it lands in (vLLM freezes after start-up for the
+    same reason). After the freeze it walks only what serving made since."""
     gc.collect()
     gc.freeze()
 

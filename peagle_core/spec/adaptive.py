@@ -36,7 +36,7 @@ class AcceptanceEstimate:
     it) forgets faster than one that was judged: the choices that skip it cannot refresh its evidence, so a
     low early rate must not outlive them (a policy dropped to k = 1 at a level's start and, at the slow rate,
     stayed there for a quarter of the level). A position that keeps being judged keeps the slow rate, so its
-    estimate stays precise where acceptance is steady (docs/adaptive_log.md).
+    estimate stays precise where acceptance is steady.
 
     Position 1 always forgets at the slow rate. Nobody judges it only in k = 0 steps, and leaving k = 0 costs a
     drafter pass plus the catch-up of the positions skipped, for one probe step; forgetting it fast sent a policy

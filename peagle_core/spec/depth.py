@@ -34,8 +34,8 @@ class StepInfo:
 def is_decode_step(num_tokens: int, num_verify: int, k: int) -> bool:
     """Whether a step fed exactly its verifying requests' 1 + k tokens each: no prompt tokens, and no request
     verifying fewer drafts than k (the token budget or max_model_len cut them). That is the uniform decode step
-    T(B, k) stands for, the one the CUDA graphs replay; the others run eagerly, at ~2x its cost on the tiny pair's
-    H200 steps, and counted as decode steps they charged the k that ran for it (docs/adaptive_log.md). The engine
+    T(B, k) stands for, the one the CUDA graphs replay; the others can cost ~2x, and counted as decode steps they
+    would charge the k that ran for it. The engine
     decides k before it schedules, so `StepInfo.num_prefill_tokens` cannot say this; the step's token count can."""
     return num_tokens == num_verify * (1 + k)
 
