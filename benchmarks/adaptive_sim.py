@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adaptive_sweep import (POLICIES_DEFAULT, STEPS_FORMAT, AcceptanceReplay, Trace, _ints, _names,  # noqa: E402
                             command_line, fixed_ks, fixed_policy, level_only, request_lengths, tune_batch_table,
                             write_report)
-from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel  # noqa: E402
-from peagle_core.spec.baselines import BatchSizeTable, EmaTiers  # noqa: E402
-from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome  # noqa: E402
+from peagle_core.depth.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel  # noqa: E402
+from peagle_core.depth.baselines import BatchSizeTable, EmaTiers  # noqa: E402
+from peagle_core.depth.policy import DepthPolicy, FixedDepth, StepInfo, StepOutcome  # noqa: E402
 
 
 class StepTable:

@@ -742,7 +742,7 @@ def run_order(policies: list[str], levels: list[int], rounds: int, shared_engine
 def level_only(policy) -> None:
     """The adaptive policy as it was before its step-time grid learnt the shape across k: live steps rescale
     the grid's rows (the level) only, and it never explores. For before/after cells in one sweep."""
-    from peagle_core.spec.adaptive import Exploration
+    from peagle_core.depth.adaptive import Exploration
 
     policy.times.learn_shape = False
     policy.explore = Exploration.off()
@@ -889,7 +889,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         else:
             engine, replay = open_engine(spec)
         if f is not None and (f[1] is not None or a.shared_engine):
-            from peagle_core.spec.depth import FixedDepth
+            from peagle_core.depth.policy import FixedDepth
 
             engine.policy = FixedDepth(f[0])  # benchmark only: k < K on a depth-K engine
         if policy == "adaptive_level":  # benchmark only: the adaptive policy before its grid learnt the shape
@@ -950,7 +950,7 @@ def together_cells(a: argparse.Namespace, order: list[str], models: "Models", ma
     (`run_paired`). One cell per policy and level, as the other modes write them (no TPOT in turns: a request's
     tokens span several policies' slices)."""
     how = "(switchback)" if a.switchback else "(paired)"
-    from peagle_core.spec.depth import FixedDepth
+    from peagle_core.depth.policy import FixedDepth
 
     cells = []
     for rnd in range(a.rounds):

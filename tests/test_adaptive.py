@@ -2,8 +2,8 @@
 import pytest
 
 from peagle_core import LLM, SamplingParams
-from peagle_core.spec.adaptive import AcceptanceEstimate, AdaptiveDepth, StepTimeModel
-from peagle_core.spec.depth import StepInfo, StepOutcome
+from peagle_core.depth.adaptive import AcceptanceEstimate, AdaptiveDepth, StepTimeModel
+from peagle_core.depth.policy import StepInfo, StepOutcome
 
 
 def policy(K=7, rates=None, times=None, draft=0.0, per_k=False, k_min=0):
@@ -104,8 +104,8 @@ def test_adaptive_engine_output_equals_plain_greedy(tiny_pair, mode):
 def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     """The engine marks a step during which a CUDA graph was captured (a shape first met): its time is the
     capture's. The adaptive policy keeps its acceptance evidence but not that time."""
-    from peagle_core.spec.adaptive import StepGrid
-    from peagle_core.spec.depth import FixedDepth
+    from peagle_core.depth.adaptive import StepGrid
+    from peagle_core.depth.policy import FixedDepth
 
     grid = lambda: StepGrid({1: [1e-3, 1.2e-3], 8: [2e-3, 2.4e-3]})
     p = AdaptiveDepth(1, grid(), rank_every=1)  # every `learn` folds the step times it holds in
@@ -154,7 +154,7 @@ def test_the_engine_runs_the_policys_learning_while_the_step_is_on_the_device(ti
     cost no host time between steps; only while the device still works on the step (a CPU never does: it is
     told so here). The output is plain greedy decoding's whatever the policy learns, and when."""
     from peagle_core.engine.model_runner import ModelRunner
-    from peagle_core.spec.depth import FixedDepth
+    from peagle_core.depth.policy import FixedDepth
 
     events = []
 
@@ -183,7 +183,7 @@ def test_the_engine_runs_the_policys_learning_while_the_step_is_on_the_device(ti
 def budget_policy(rate=0.9):
     """Steps that cost about the same whatever the batch or k (memory-bound), acceptance 0.9 a position: without
     a budget, k = 7."""
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     grid = StepGrid({1: [9.0 + 0.05 * k for k in range(8)], 64: [10.0 + 0.2 * k for k in range(8)]})
     p = AdaptiveDepth(7, grid)

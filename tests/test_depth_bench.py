@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peagle_core import LLM, SamplingParams
-from peagle_core.spec.depth import FixedDepth
+from peagle_core.depth.policy import FixedDepth
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -34,7 +34,7 @@ def test_replay_forces_the_recorded_runs(tiny_pair, mode):
     eng = llm.engine
     replay = S.AcceptanceReplay(trace, 3).install(eng.runner)
     seen = S.AcceptanceRecorder().install(eng.runner)  # outside the replay: sees what the engine gets
-    from peagle_core.spec.depth import DepthPolicy
+    from peagle_core.depth.policy import DepthPolicy
 
     class TwoThree(DepthPolicy):  # k alternates 3, 2: the replay must cap the run at k
         n = 0

@@ -5,9 +5,9 @@ import torch
 
 from peagle_core import LLM, SamplingParams
 from peagle_core.config import parse_engine_config
-from peagle_core.spec.adaptive import AdaptiveDepth
-from peagle_core.spec.baselines import BatchSizeTable, EmaTiers
-from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome
+from peagle_core.depth.adaptive import AdaptiveDepth
+from peagle_core.depth.baselines import BatchSizeTable, EmaTiers
+from peagle_core.depth.policy import DepthPolicy, FixedDepth, StepInfo, StepOutcome
 
 TABLE = [[1, 4, 7], [5, 16, 3], [17, 64, 1], [65, 512, 0]]
 
@@ -126,7 +126,7 @@ def test_every_policy_keeps_plain_greedy_output(tiny_pair, mode):
 # --------------------------------------------------------------------------------------------
 
 def test_step_grid_interpolates_in_batch_and_never_makes_deeper_cheaper():
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     g = StepGrid({1: [10.0, 11.0, 13.0], 4: [16.0, 20.0, 19.0]})  # k = 2 at B = 4 measured "cheaper" than k = 1
     assert g.step(1, 1) == 11.0 and g.step(4, 0) == 16.0
@@ -145,7 +145,7 @@ def test_step_grid_interpolates_in_batch_and_never_makes_deeper_cheaper():
 
 
 def test_adaptive_on_a_step_grid_picks_zero_k_and_full_depth_at_the_extremes():
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, StepGrid
 
     grid = StepGrid({1: [10.0 + 0.3 * k for k in range(8)], 64: [20.0 + 10.0 * k for k in range(8)]})
     p = AdaptiveDepth(7, grid)
@@ -161,7 +161,7 @@ def test_adaptive_on_a_step_grid_picks_zero_k_and_full_depth_at_the_extremes():
 
 
 def test_unreached_positions_borrow_the_rate_next_to_them():
-    from peagle_core.spec.adaptive import AcceptanceEstimate
+    from peagle_core.depth.adaptive import AcceptanceEstimate
 
     est = AcceptanceEstimate(5)
     for _ in range(100):  # depth 2 only, every draft accepted 9 times in 10
@@ -183,7 +183,7 @@ def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot
     `learn_while_busy`: as the engine runs it, `learn` between the choice and the step's outcome, preparing
     the next choice's ranking before this step's acceptance is known. Used at a level's start, that ranking
     ran step 1 at k = 5 on the prior, doubled the early signal and held k = 1 until step 22."""
-    from peagle_core.spec.adaptive import Exploration, StepGrid
+    from peagle_core.depth.adaptive import Exploration, StepGrid
 
     grid = StepGrid({32: [12.7, 12.7, 13.9, 13.9, 14.4, 14.6, 15.0, 15.3]})  # the H200 start-up row, ms
     p = AdaptiveDepth(7, grid, explore=Exploration.off())
@@ -209,7 +209,7 @@ def test_a_position_no_request_judges_forgets_faster_so_an_early_low_rate_cannot
 def test_the_tally_times_pure_decode_steps_by_the_k_verified():
     """Mean step time per k over uniform decode steps only: a step with prompt tokens in it, one where a request
     verified fewer drafts than k (it ran eagerly), or one that captured a graph, is not what k costs."""
-    from peagle_core.spec.depth import DepthTally
+    from peagle_core.depth.policy import DepthTally
 
     t = DepthTally()
     t.record(StepInfo(2, 0, 7), StepOutcome(1, [(1, 1), (1, 0)], 0.010, 4, drafted=1))
@@ -228,7 +228,7 @@ def test_the_tally_times_pure_decode_steps_by_the_k_verified():
 def test_a_prefill_only_step_leaves_the_acceptance_estimate_alone():
     """A step with nothing to verify (every running request still in its prefill) judges no position because
     none could be judged: it must not count as positions going unjudged (which now forget fast)."""
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     p = AdaptiveDepth(7, StepGrid({1: [5.0 + k for k in range(8)]}))
     for _ in range(5):
@@ -241,7 +241,7 @@ def test_a_prefill_only_step_leaves_the_acceptance_estimate_alone():
 
 
 def test_engine_profiles_whole_steps_for_the_adaptive_policy(tiny_pair):
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, speculative_config={
         "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
@@ -257,7 +257,7 @@ def test_grid_profile_steps_replay_the_cuda_graphs_like_live_decode_steps(tiny_p
     engine's KV cache holds one block more per request than max_model_len needs; a synthetic block table
     that wide fit no graph, and on the H200 every profiled step ran eagerly (a flat, host-bound grid)."""
     from peagle_core.engine.graphs import GraphRunner
-    from peagle_core.spec.adaptive import profile_step_grid
+    from peagle_core.depth.adaptive import profile_step_grid
 
     llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, max_model_len=128, speculative_config={
         "method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True})
@@ -278,7 +278,7 @@ def test_live_steps_rescale_the_whole_model_so_a_slow_profile_cannot_lock_in_the
     (the per-cell corrections this replaced, in both step-time models, stayed at k = 4 for all 300 steps)."""
     import random
 
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid, StepTimeModel
+    from peagle_core.depth.adaptive import AdaptiveDepth, StepGrid, StepTimeModel
 
     true_ms = {1: [5.0 + 0.1 * k for k in range(8)], 16: [10.0 + 0.4 * k for k in range(8)]}
     if model == "grid":
@@ -309,7 +309,7 @@ def test_grid_profile_keeps_each_cells_fastest_time_so_one_outlier_cannot_flatte
     would cost the same and the policy would always verify K drafts."""
     import time
 
-    from peagle_core.spec.adaptive import profile_step_grid
+    from peagle_core.depth.adaptive import profile_step_grid
 
     clock = [0.0]
     calls: dict[tuple[int, int], int] = {}
@@ -336,7 +336,7 @@ def test_grid_profile_verifies_the_drafters_own_proposals():
     tokens route to more experts than a drafter's proposals, so they would over-charge depth)."""
     from types import SimpleNamespace
 
-    from peagle_core.spec.adaptive import profile_step_grid
+    from peagle_core.depth.adaptive import profile_step_grid
 
     verified: list[list[int]] = []
 
@@ -416,7 +416,7 @@ def test_live_steps_learn_the_shape_across_k_when_the_profile_under_charges_dept
     deep k the policy runs, the shallow k stay over-charged, and before the shape correction the policy never
     left k >= 6 in 300 steps. Now it must move to the true best and predict it. Batch 12 sits between the rows
     for 8 and 16 (the step is interpolated, so both rows learn)."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, StepGrid
 
     profiled = {1: [5.0 + 0.02 * k for k in range(8)], 8: [8.0 + 0.05 * k for k in range(8)],
                 16: [10.0 + 0.1 * k for k in range(8)]}
@@ -443,7 +443,7 @@ def test_an_error_common_to_every_k_moves_the_level_not_the_shape():
     """A profile 30% slow at every k: whichever k the live steps run, the error is the same, so it is the
     level's; the shape stays flat (within what the level's first steps leave: a step measures its k against the
     level, which takes a few steps to come down from 30% too slow) and every k, observed or not, ends up right."""
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     true_ms = [10.0 + 0.5 * k for k in range(8)]
     g = StepGrid({1: [5.0] * 8, 16: [1.3 * t for t in true_ms]})
@@ -460,7 +460,7 @@ def test_an_error_common_to_every_k_moves_the_level_not_the_shape():
 def test_with_jitter_a_uniformly_slow_profile_keeps_its_shape_under_the_policy():
     """The same through the policy, exploring, with 3% jitter: the learnt shape stays within the jitter and
     the choice is the true best (the shape corrections must not invent a preference of their own)."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, StepGrid
 
     true_ms = {1: [5.0 + 0.1 * k for k in range(8)], 16: [10.0 + 0.6 * k for k in range(8)]}
     p = AdaptiveDepth(7, StepGrid({b: [1.3 * t for t in row] for b, row in true_ms.items()}))
@@ -478,7 +478,7 @@ def test_a_drifting_host_does_not_move_a_flat_profile_off_full_depth():
     8%. The level follows the drift; the shape must not take a drift caught at a rarely run k for that k's
     cost. (An H200 sweep's adaptive cells did move off k = 7 there; this model of the host does not reproduce
     that.)"""
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, StepGrid
 
     rates = [0.80, 0.84, 0.88, 0.90, 0.91, 0.93, 0.93]  # tiny_peagle_k7_stage3.json, per position
     flat = {1: [0.80 + 0.003 * k for k in range(8)], 8: [0.90 + 0.005 * k for k in range(8)],
@@ -500,7 +500,7 @@ def test_a_host_that_changes_speed_does_not_charge_the_k_that_ran_then():
     profile, a slow stretch that began while a rarely run k ran charged that k for good, and some seeds sat at
     k = 4-6 for hundreds of steps (k = 7 on 50% of the last 1000 steps, 0.90 of K7's goodput); now a step is
     measured against the level, which follows the host, and a cell left alone drifts back to its neighbours."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, StepGrid
 
     rates = [0.80, 0.84, 0.88, 0.90, 0.91, 0.93, 0.93]  # tiny_peagle_k7_stage3.json, per position
     profile = {1: [0.944, 0.947, 0.745, 0.738, 0.676, 0.688, 0.698, 0.719],
@@ -518,7 +518,7 @@ def test_a_host_that_changes_speed_does_not_charge_the_k_that_ran_then():
 
 def test_a_cell_borrows_the_nearest_other_observed_cell():
     """`_neighbours`: the nearest observed cell other than k itself, the mean of both at equal distance."""
-    from peagle_core.spec.adaptive import _neighbours
+    from peagle_core.depth.adaptive import _neighbours
 
     err = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     assert _neighbours(err, [1, 4]) == [1.0, 4.0, 1.0, 4.0, 1.0, 4.0, 4.0, 4.0]
@@ -529,7 +529,7 @@ def test_a_cell_borrows_the_nearest_other_observed_cell():
 def test_one_stalled_step_moves_the_grid_by_a_bounded_factor():
     """A 10x stall (a GC pause, a late compile): the level moves by at most 1 + 0.2 x (2 - 1) = 1.2x (it moved
     by 2.8x before the clip), and a cell's shape by at most a share of 1.5x."""
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     g = StepGrid({16: [10.0 + k for k in range(8)]})
     for k in (1, 3) * 10:
@@ -546,7 +546,7 @@ def test_exploration_is_bounded_reported_and_deterministic():
     margin): the policy explores, but never more than `cap` of its decode steps, and not an alternative
     measured lately; each exploratory step is flagged in `describe()` and counted in the tally; the sequence of
     choices depends on the seed alone; the token-count model (which learns no shape) gets none."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel
+    from peagle_core.depth.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel
 
     flat = {16: [2.5 * (1 + k) for k in range(8)]}
 
@@ -676,7 +676,7 @@ def test_adaptive_predicts_the_depth_it_can_verify_and_measures_a_deeper_alterna
     """Holding fewer drafts than it wants, the policy still asks for its favourite (that is what gets drafted),
     but predicts and reports the step at the depth it can verify; an exploratory alternative deeper than the
     drafts held is drafted first and verified, counted once, in the next step."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, Exploration, StepGrid
 
     deep = AdaptiveDepth(7, StepGrid({16: [1.0] * 8}), prior=0.9, explore=Exploration.off())  # depth is free
     assert deep.choose(StepInfo(16, 0, 7, drafts=1)) == 7
@@ -697,7 +697,7 @@ def test_adaptive_predicts_the_depth_it_can_verify_and_measures_a_deeper_alterna
 def test_with_a_flat_cost_drafter_an_explored_shallower_step_drafts_the_favourite_for_the_next():
     """Depth is free, so the favourite is K; exploring the runner-up (K - 1) verifies it but, with P-EAGLE's flat
     drafting, drafts K, so the next step can verify K again. EAGLE-3 (no `flat_draft`) drafts what it verifies."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, Exploration, StepGrid
 
     always = Exploration(near=1.0, far=1.0, cap=1.0, fresh=float("inf"))
     for flat, drafted in ((True, 7), (False, 6)):
@@ -742,7 +742,7 @@ def test_learn_ranks_for_the_next_choice_so_a_steady_choice_does_no_ranking_and_
     the last step's acceptance must still give the choice a fresh one would, once the estimate holds many steps."""
     import random
 
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     def run(learn_while_busy: bool) -> tuple[list[int], list[int]]:
         p = AdaptiveDepth(7, StepGrid({b: [1.0 + 0.02 * b + 0.03 * b * k for k in range(8)] for b in (1, 8, 16)}))
@@ -778,7 +778,7 @@ def test_folding_the_last_step_in_later_chooses_exactly_as_folding_it_at_once(se
     at the end."""
     import random
 
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     def policy() -> AdaptiveDepth:  # `learn` ranking in every step: what is compared is when a step is folded in
         return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.05 * b + 0.02 * b * k * k for k in range(8)]
@@ -815,7 +815,7 @@ def test_folding_the_last_step_in_later_chooses_exactly_as_folding_it_at_once(se
 def _cadence_policy(rank_every: int | None = None) -> AdaptiveDepth:
     """An adaptive policy on a two-row grid where depth is cheap (k = 7 best at full acceptance), no exploring:
     what the tests of `learn`'s cadence run."""
-    from peagle_core.spec.adaptive import RANK_EVERY, Exploration, StepGrid
+    from peagle_core.depth.adaptive import RANK_EVERY, Exploration, StepGrid
 
     return AdaptiveDepth(7, StepGrid({b: [1.0 + 0.1 * b + 0.01 * b * k for k in range(8)] for b in (1, 8)}),
                          explore=Exploration.off(), rank_every=RANK_EVERY if rank_every is None else rank_every)
@@ -837,7 +837,7 @@ def test_steps_kept_through_steps_without_learn_fold_later_into_the_same_choices
     every step, and the same estimate, step-time model and metrics at the end."""
     import random
 
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     def grid():
         return StepGrid({b: [1.0 + 0.05 * b + 0.02 * b * k for k in range(8)] for b in (1, 8, 32)})
@@ -874,7 +874,7 @@ def test_learn_ranks_once_in_rank_every_steps_and_a_change_in_acceptance_is_foll
     and folds the step times in once in RANK_EVERY steps, the times of one shape in one update; the choices do not
     rank in between, and when every draft starts to fail the policy leaves deep speculation at most RANK_EVERY
     steps later than one that ranks every step."""
-    from peagle_core.spec.adaptive import RANK_EVERY
+    from peagle_core.depth.adaptive import RANK_EVERY
 
     def run(rank_every: int) -> tuple[list[int], list[str], list[int]]:
         p = _cadence_policy(rank_every)
@@ -915,7 +915,7 @@ def test_learn_starts_each_part_of_a_round_only_while_the_device_is_busy_and_fin
     the step, leaving the rest to the next call; a round left STALE_ROUND x RANK_EVERY steps after the last one
     ended is finished without asking. Choices keep finding a ranking prepared, and choose as the policy does
     without the probe."""
-    from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND
+    from peagle_core.depth.adaptive import RANK_EVERY, STALE_ROUND
 
     policy = _cadence_policy
     def step(p: AdaptiveDepth, i: int, answers: list[bool] | None) -> tuple[int, list[int], int, int]:
@@ -987,7 +987,7 @@ def test_rankings_serve_through_steps_without_learn_until_older_than_learn_ever_
     leaves one (2 x STALE_ROUND x RANK_EVERY steps) the choice ranks afresh, and that ranking serves the choices
     of the next RANK_EVERY steps, as `learn`'s cadence would: one choice in RANK_EVERY ranks, as in a policy without
     `learn` (which ranks only in its choices), and every choice is the one such a policy makes."""
-    from peagle_core.spec.adaptive import RANK_EVERY, STALE_ROUND
+    from peagle_core.depth.adaptive import RANK_EVERY, STALE_ROUND
 
     policy = _cadence_policy
     p, fresh = policy(), policy()
@@ -1022,7 +1022,7 @@ def test_a_round_keeps_the_last_rounds_rankings_so_a_batch_that_jumps_away_and_b
     steps: a choice back at such a size only looks its ranking up. Older ones go, and a choice for one ranks
     afresh. A ranking serves only the demand it was ranked for (or was checked against): one ranked while the
     token budget bound is not taken for another demand."""
-    from peagle_core.spec.adaptive import RANK_EVERY
+    from peagle_core.depth.adaptive import RANK_EVERY
 
     p = _cadence_policy()
     calls = []
@@ -1105,7 +1105,7 @@ def test_steps_with_prompts_and_decode_steps_alternating_look_their_rankings_up(
 def test_learn_prepares_one_more_request_only_while_requests_wait_to_join():
     """A step verifies at most the requests in the engine now (running or waiting: a request arriving later needs its
     prompt first), so with none waiting a batch one larger cannot come next and is not ranked for."""
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     p = AdaptiveDepth(7, StepGrid({b: [1.0 + 0.02 * b + 0.03 * b * k for k in range(8)] for b in (1, 8, 16)}))
     # (requests verifying, requests in the engine, batch sizes ranked for): at (1, 3) two are in their prompts
@@ -1121,7 +1121,7 @@ def test_step_times_wait_through_prompt_steps_for_learn_and_are_learnt_in_order(
     learn the decode step before it either (that put ~30 us on such a step's critical path on the H200). The times
     wait, and the next `learn` (or a decode step's `observe`, where `learn` did not run) takes them in the order
     the steps ran; a long run of prompt steps cannot pile up more than MAX_UNLEARNT of them."""
-    from peagle_core.spec.adaptive import MAX_UNLEARNT, StepGrid
+    from peagle_core.depth.adaptive import MAX_UNLEARNT, StepGrid
 
     def policy() -> tuple[AdaptiveDepth, list[tuple]]:
         p = AdaptiveDepth(3, StepGrid({b: [1.0 + 0.1 * b + 0.2 * k for k in range(4)] for b in (1, 4)}))
@@ -1185,7 +1185,7 @@ def test_a_policy_settled_at_k0_probes_deeper_k_rarely():
     unjudged rate the prior (0.6) sent the policy back to k >= 1 on 19-21 of 400 settled steps, each probe
     costing the engine a drafting step and a catch-up besides. Position 1 now keeps its evidence, and the
     probes left are exploration's (11-12)."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
+    from peagle_core.depth.adaptive import AdaptiveDepth, StepGrid
 
     # ms at 1 and 4 requests, shaped like tiny.yaml's sampled run on this CPU: ~9 ms at k = 0 (no drafter),
     # 15-20 from k = 1

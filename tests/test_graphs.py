@@ -519,7 +519,7 @@ def test_live_steps_compile_no_new_triton_variants_whatever_their_sizes(tiny_pai
     the middle of a run, 0.1-0.4 s each on an H200; now none compiles more than one variant
     in such a run, a sampled request at its end included."""
     from peagle_kernels.dispatch import compiled_variants
-    from peagle_core.spec.depth import DepthPolicy
+    from peagle_core.depth.policy import DepthPolicy
 
     class Cycle(DepthPolicy):  # every depth 0..K in turn: every draft count in mixed and decode steps
         i = 0

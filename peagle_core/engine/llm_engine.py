@@ -19,7 +19,7 @@ from peagle_core.engine.tp import GraphLayout, TPError, start_tensor_parallel
 from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 from peagle_core.loading.checkpoint import DTYPES, load_drafter, load_target
 from peagle_core.loading.hub import resolve
-from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome
+from peagle_core.depth.policy import DepthPolicy, FixedDepth, StepInfo, StepOutcome
 
 
 class StepError(RuntimeError):
@@ -155,10 +155,10 @@ class LLMEngine:
         if self.mode == "none" or spec.policy == "fixed":
             return FixedDepth(self.K)
         if spec.policy != "adaptive":  # vLLM's batch-size table or SGLang-like EMA tiers
-            from peagle_core.spec.baselines import from_config
+            from peagle_core.depth.baselines import from_config
 
             return from_config(spec)
-        from peagle_core.spec.adaptive import AdaptiveDepth, StepTimeModel, profile_step_grid
+        from peagle_core.depth.adaptive import AdaptiveDepth, StepTimeModel, profile_step_grid
 
         try:  # whole verify steps per batch bucket and k (nothing is in the KV cache yet)
             times = profile_step_grid(self.runner, self.config.max_num_seqs, self.K)

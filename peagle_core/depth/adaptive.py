@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome, is_decode_step
+from peagle_core.depth.policy import DepthPolicy, StepInfo, StepOutcome, is_decode_step
 
 
 @dataclass

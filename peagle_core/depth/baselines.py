@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Sequence
 
-from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome
+from peagle_core.depth.policy import DepthPolicy, StepInfo, StepOutcome
 
 if TYPE_CHECKING:
     from peagle_core.config import SpeculativeConfig
