@@ -243,7 +243,7 @@ def test_start_up_freezes_the_heap_a_dropped_engine_is_freed_and_frozen_cycles_a
     import gc
     import weakref
 
-    from peagle_core.engine.llm_engine import reclaim_dropped_engines
+    from peagle_core.engine.memory import reclaim_dropped_engines
 
     engine = LLM(tiny_pair["target"], device="cpu").engine
     # what start-up built is out of the collector's walks: a full collection no longer visits it

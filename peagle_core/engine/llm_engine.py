@@ -11,6 +11,7 @@ import torch
 from peagle_core.config import EngineConfig
 from peagle_core.engine.block_manager import BlockManager
 from peagle_core.engine.graphs import graphs_supported, make_graph_runner
+from peagle_core.engine.memory import cache_bytes_per_block, freeze_heap, kv_budget_bytes, reclaim_dropped_engines
 from peagle_core.engine.model_runner import ModelRunner
 from peagle_core.engine.output import TextState
 from peagle_core.engine.request import Request, Status
@@ -45,40 +46,6 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
         raise ValueError("device='cuda' was requested but no CUDA device is available")
     name = cfg.dtype if cfg.dtype not in (None, "auto") else ("bfloat16" if device.type == "cuda" else "float32")
     return device, DTYPES[name]
-
-
-def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> float:
-    """Bytes this device may give the KV cache (every tensor-parallel rank asks for its own)."""
-    if cfg.kv_cache_memory_gb:
-        return cfg.kv_cache_memory_gb * 2**30
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return free - (1 - cfg.gpu_memory_utilization) * total
-    return 2 * 2**30
-
-
-def reclaim_dropped_engines() -> None:
-    """Collect what engines dropped since the last start-up left, before a CUDA engine loads weights and sizes its KV
-    cache from the free memory. Their start-up froze them (`freeze_heap`), so a reference cycle among their objects
-    would never be collected, and the device memory behind it would stay taken (none is known: the graph runner
-    keeps no reference to its runner for this reason; this is the safety net for a process that builds engine after
-    engine, like the benchmarks' rounds). Not on a CPU: a test checks that reference counting frees a dropped CPU
-    engine, frozen or not, and unfreezing at every start-up makes each start-up's collection walk the whole heap
-    again (the test suite's engines would pay it at every build)."""
-    if not gc.get_freeze_count():
-        return
-    gc.unfreeze()
-    gc.collect()
-    torch.cuda.empty_cache()  # the allocator's cached blocks count as used in the free memory the budget reads
-
-
-def freeze_heap() -> None:
-    """Move every object alive after start-up (weights' modules, tokenizer tables, graphs' bookkeeping: ~300 k on
-    the tiny pair) into the collector's permanent generation, after one last collection. A full collection walks
-    every tracked object, ~0.1-0.2 s that stalls whichever step it lands in (vLLM freezes after start-up for the
-    same reason). After the freeze it walks only what serving made since."""
-    gc.collect()
-    gc.freeze()
 
 
 def load_tokenizer(path: Path):
@@ -173,9 +140,9 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_gpu_blocks:
             return cfg.num_gpu_blocks
-        per_block = ModelRunner.cache_bytes_per_block(self.target, cfg.block_size, self.dtype)
+        per_block = cache_bytes_per_block(self.target, cfg.block_size, self.dtype)
         if self.drafter is not None:
-            per_block += ModelRunner.cache_bytes_per_block(self.drafter, cfg.block_size, self.dtype)
+            per_block += cache_bytes_per_block(self.drafter, cfg.block_size, self.dtype)
         useful = cfg.max_num_seqs * -(-(self.max_model_len + self.K) // cfg.block_size) + 1
         n = min(useful, int(kv_budget_bytes(cfg, self.device) // per_block))
         if n < 1:

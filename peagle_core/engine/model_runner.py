@@ -20,6 +20,7 @@ from peagle_kernels.dispatch import use_triton
 from peagle_kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from peagle_kernels.sampling import rejection_sample
 from peagle_core.engine.graphs import GraphRunner, HostForward, is_uniform_decode
+from peagle_core.engine.memory import bind_kv_cache
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.engine.types import SamplingParams
 from peagle_core.engine.uploads import Uploader
@@ -101,8 +102,9 @@ class ModelRunner:
             if model is not None:
                 pack_qkv(model)
         self.block_size, self.max_model_len, self.device, self.vocab_size = block_size, max_model_len, device, vocab_size
-        self.target_cache = self._bind_cache(target, num_blocks, dtype)
-        self.drafter_cache = self._bind_cache(drafter, num_blocks, dtype) if drafter is not None else None
+        self.target_cache = bind_kv_cache(target, num_blocks, block_size, dtype, device)
+        self.drafter_cache = bind_kv_cache(drafter, num_blocks, block_size, dtype, device) if drafter is not None \
+            else None
         self.shared_hidden = None
         if drafter is not None:
             target.set_aux_layers(drafter.config.resolved_aux_layer_ids(target.config.num_hidden_layers))
@@ -113,20 +115,6 @@ class ModelRunner:
         self.global_generator = torch.Generator(device=device).manual_seed(0)
         self.graphs: GraphRunner | None = None  # CUDA graphs (the engine sets them)
         self.uploads = Uploader(device)
-
-    def _bind_cache(self, model, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
-        layers = model.attention_layers()
-        a = layers[0]
-        cache = torch.zeros(2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                            dtype=dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.kv_cache = (cache[0, i], cache[1, i])
-        return cache
-
-    @staticmethod
-    def cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-        layers = model.attention_layers()
-        return 2 * len(layers) * block_size * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
 
     # ------------------------------------------------------------------------------------------
 
