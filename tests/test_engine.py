@@ -173,15 +173,14 @@ def test_bad_requests_and_configs(tiny_pair, tmp_path):
 
 @pytest.mark.parametrize("start,end", [(0, 1), (5, 6), (14, 40), (16, 48), (60, 70), (64, 66), (70, 75)])
 def test_host_slots_equal_the_device_rule(start, end):
-    """The host's slots (a run per block) equal ModelRunner.slots' per-token rule, -1 from max_model_len on."""
-    from types import SimpleNamespace
-
-    from peagle_core.engine.model_runner import ModelRunner, host_slots
+    """The host's slots (a run per block) equal the drafter's per-token rule on the device, -1 from max_model_len
+    on."""
+    from peagle_core.engine.drafting import cache_slots
+    from peagle_core.engine.model_runner import host_slots
 
     table = [7, 2, 9, 4, 11]  # 5 blocks of 16 cover positions 0..79; max_model_len 64 stops writes at 64
-    runner = SimpleNamespace(block_size=16, max_model_len=64)
     p = torch.arange(start, end)
-    want = ModelRunner.slots(runner, p, torch.zeros_like(p), torch.tensor([table]))
+    want = cache_slots(p, torch.zeros_like(p), torch.tensor([table]), 16, 64)
     assert host_slots(table, start, end, 16, 64) == want.tolist()
 
 

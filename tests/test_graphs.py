@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from peagle_core import LLM, SamplingParams
+from peagle_core.engine.drafting import cache_slots
 from peagle_core.engine.graphs import GraphRunner, GraphSet, HostForward, graph_buckets, is_uniform_decode, make_graph_runner, token_buckets
 from peagle_core.engine.request import Request
 from peagle_core.engine.scheduler import Scheduled
@@ -175,9 +176,9 @@ def uniform_batch(runner, computed: list[int], q: int | list[int], seed: int = 0
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, qs.tolist())])
     block_tables = torch.arange(4 * B).view(B, 4)
     req = torch.arange(B).repeat_interleave(qs)
+    slots = cache_slots(positions, req, block_tables, runner.block_size, runner.max_model_len)
     meta = ForwardMeta(positions=positions, query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), qs.cumsum(0)]),
-                       seq_lens=torch.tensor(computed) + qs, slot_mapping=runner.slots(positions, req, block_tables),
-                       block_tables=block_tables)
+                       seq_lens=torch.tensor(computed) + qs, slot_mapping=slots, block_tables=block_tables)
     return torch.randint(0, 250, (positions.shape[0],), generator=g), meta
 
 

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from peagle_kernels.dispatch import use_triton
-from peagle_kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from peagle_kernels.sampling import rejection_sample
+from peagle_core.engine.drafting import Proposer
 from peagle_core.engine.graphs import GraphRunner, HostForward, is_uniform_decode
 from peagle_core.engine.memory import bind_kv_cache
 from peagle_core.engine.scheduler import Scheduled
@@ -30,7 +30,7 @@ from peagle_core.models.layers import ForwardMeta, pack_qkv
 
 
 def host_slots(block_table: list[int], start: int, end: int, block_size: int, max_model_len: int) -> list[int]:
-    """`ModelRunner.slots` on the host for positions start..end-1 of one request: one contiguous run per
+    """`drafting.cache_slots` on the host for positions start..end-1 of one request: one contiguous run per
     block (a prefill chunk costs a Python step per block, not per token); -1 past max_model_len."""
     out, p, stop = [], start, min(end, max_model_len)
     while p < stop:
@@ -105,13 +105,10 @@ class ModelRunner:
         self.target_cache = bind_kv_cache(target, num_blocks, block_size, dtype, device)
         self.drafter_cache = bind_kv_cache(drafter, num_blocks, block_size, dtype, device) if drafter is not None \
             else None
-        self.shared_hidden = None
+        self.proposer = None
         if drafter is not None:
             target.set_aux_layers(drafter.config.resolved_aux_layer_ids(target.config.num_hidden_layers))
-            if mode == "peagle":
-                with torch.no_grad():
-                    self.shared_hidden = drafter.shared_hidden()  # fc(mask_hidden), projected once
-                self.mask_token_id = drafter.config.mask_token_id
+            self.proposer = Proposer(drafter, mode, block_size, max_model_len, device)
         self.global_generator = torch.Generator(device=device).manual_seed(0)
         self.graphs: GraphRunner | None = None  # CUDA graphs (the engine sets them)
         self.uploads = Uploader(device)
@@ -316,61 +313,8 @@ class ModelRunner:
         steps = self.graphs.draft_steps if key is not None else None
         drafts = steps.run(key, n, next_ids, num_rejected) if steps is not None else None  # None: not covered
         if drafts is None:
-            drafts = self.draft(input_ids, aux, meta, next_ids, num_rejected, n, uniform, self._forward)
+            drafts = self.proposer.propose(input_ids, aux, meta, next_ids, num_rejected, n, uniform, self._forward)
         return drafts
-
-    def draft(self, input_ids, aux, meta: ForwardMeta, next_ids, num_rejected, n: int, uniform: bool,
-              forward) -> torch.Tensor:
-        """The drafter's step after verification: `n` drafts per request [B, n], from the target's step inputs
-        (`meta`), its aux hidden states, the next token and the rejected-draft count of each request.
-
-        `forward(drafter, ids, hidden, meta, uniform)` runs a drafter forward (`uniform`: a decode step's shape).
-        The whole step is also captured as one graph behind the target's decode graphs (`graphs.DraftSteps`),
-        where dummy requests (seq_len 0) pad the batch: they must write no K/V (their block-table rows are
-        stale) and read none."""
-        dev, B, drafter = self.device, meta.seq_lens.shape[0], self.drafter
-        live = meta.seq_lens > 0
-        num_rejected = num_rejected * live  # a dummy's stale count could exceed its tokens
-        # P-EAGLE drafts all n in one pass; EAGLE-3's first pass has only the bonus slot.
-        P = n if self.mode == "peagle" else 1
-        mask_id = self.mask_token_id if self.mode == "peagle" else 0
-        qsl = meta.query_start_loc
-        d_ids, d_pos, is_rejected, is_masked, sample_idx, hidden_map = prepare_draft_inputs(
-            input_ids, meta.positions, next_ids, qsl, num_rejected, mask_id, P)
-        target_h = drafter.combine(aux)
-        shared = self.shared_hidden if self.shared_hidden is not None else torch.zeros_like(target_h[0])
-        hidden = fill_hidden(target_h, hidden_map, is_masked, shared)
-        d_qsl = qsl + torch.arange(B + 1, device=dev) * (P - 1)
-        d_seq = (meta.seq_lens + P - 1 - num_rejected).clamp(max=self.max_model_len) * live
-        req = torch.repeat_interleave(torch.arange(B, device=dev), d_qsl[1:] - d_qsl[:-1], output_size=d_ids.shape[0])
-        slots = self.slots(d_pos, req, meta.block_tables, valid=~is_rejected & live[req])
-        d_meta = ForwardMeta(positions=d_pos, query_start_loc=d_qsl, seq_lens=d_seq, slot_mapping=slots,
-                             block_tables=meta.block_tables)
-        normed, prenorm = forward(drafter, d_ids, hidden, d_meta, uniform)
-        logits = drafter.compute_logits(normed[sample_idx])
-        first = drafter.to_target_ids(logits.argmax(-1)).view(B, P)
-        if self.mode == "peagle":
-            return first
-        # EAGLE-3: n-1 more passes, one token per request, feeding back the drafter's own pre-norm state.
-        out, h, last_pos = [first[:, 0]], prenorm[sample_idx], d_pos[sample_idx]
-        ar = torch.arange(B + 1, device=dev)
-        for i in range(1, n):
-            p = last_pos + i
-            meta_i = ForwardMeta(positions=p, query_start_loc=ar, seq_lens=(p + 1).clamp(max=self.max_model_len) * live,
-                                 slot_mapping=self.slots(p, ar[:-1], meta.block_tables, valid=live),
-                                 block_tables=meta.block_tables)
-            normed, h = forward(drafter, out[-1], h, meta_i, True)  # one token per request: uniform
-            out.append(drafter.to_target_ids(drafter.compute_logits(normed).argmax(-1)))
-        return torch.stack(out, dim=1)
-
-    def slots(self, positions, req_index, block_tables, valid=None) -> torch.Tensor:
-        """Flat cache slot of each token; -1 (no write) when invalid or past max_model_len."""
-        ok = positions < self.max_model_len
-        if valid is not None:
-            ok &= valid
-        p = positions.clamp(0, self.max_model_len - 1)
-        block = block_tables[req_index, p // self.block_size]
-        return torch.where(ok, block * self.block_size + p % self.block_size, torch.full_like(p, -1))
 
     def _to_host(self, batch, tokens, num_accepted, drafts) -> StepResult:
         """The step's one device-to-host copy: emitted tokens, accepted counts and drafts side by side."""
