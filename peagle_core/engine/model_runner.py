@@ -1,11 +1,11 @@
 """One engine step on the device: target forward, verification, drafting.
 
-The step reads like the method (DESIGN.md, "One engine step"):
+`ModelRunner.execute` owns the step, which reads like the method (DESIGN.md, "One engine step"):
   1. target forward over every request's `[uncomputed tokens, drafts[:k]]`, keeping the aux hidden states;
   2. accept/reject the drafts against the target (greedy or rejection sampling) and pick the bonus token;
   3. rejected K/V need no work: the request's length rolls back and later writes overwrite them;
-  4. drafter: P-EAGLE runs ONE forward over `[accepted, bonus, MASK x (K-1)]` and reads K drafts;
-     EAGLE-3 runs one forward over `[accepted, bonus]`, then K-1 single-token passes feeding itself back;
+  4. drafter (`drafting.Proposer`): P-EAGLE runs ONE forward over `[accepted, bonus, MASK x (K-1)]` and reads K
+     drafts; EAGLE-3 runs one forward over `[accepted, bonus]`, then K-1 single-token passes feeding itself back;
      a step asked for no drafts skips it and keeps its inputs for the next step that drafts (`_catch_up`);
   5. one device-to-host copy brings back emitted tokens and drafts for the scheduler.
 """
@@ -122,36 +122,43 @@ class ModelRunner:
         `while_busy` runs once everything is launched, before the step waits for the device, if the device is
         still working on the step (`_device_busy`, which it is given to tell when the device is done)."""
         host = self._host_inputs(batch)
-        B, T = len(batch), len(host.forward.input_ids)
-        # A decode step (no prefill, one k) replays the target's decode graph; its drafter step then replays too.
-        uniform = is_uniform_decode(batch)
+        uniform = is_uniform_decode(batch)  # one k, no prefill: the target's decode graph, then the drafter's
         width = max(map(len, host.forward.block_tables))
-        key = self.graphs.target.key(B, T, uniform, width) if self.graphs is not None else None
-        n = self.K if draft_len is None else min(self.K, max(0, draft_len))
-        if n == 0 and any(s.num_drafts for s in batch):
-            n = 1  # a step drafts nothing only when it verifies nothing: its positions are then all real tokens
+        key = self.graphs.target.key(len(batch), len(host.forward.input_ids), uniform, width) \
+            if self.graphs is not None else None
+        n = self._num_drafts(batch, draft_len)
         if n and key is not None and self.graphs.draft_steps is not None:
             self.graphs.draft_steps.ensure(key, n)  # a first capture pads the target's buffers: before they load
-        if key is not None:
-            # the graph copies its inputs in itself: until its launch the host makes no CUDA call
-            hidden, aux = self.graphs.target.run_host(host.forward, key)
-            views = self.graphs.target.views(key)
-            input_ids, meta = views.input_ids[:T], views.meta(B, T)
-            inp, _ = self._upload(host, None)  # behind the launch: the device is busy with the graph meanwhile
-        else:
-            inp, (input_ids, meta) = self._upload(host, width)
-            hidden, aux = self.target(input_ids, meta)
-
+        inp, input_ids, meta, hidden, aux = self._target_forward(host, key, width)
         tokens, num_accepted, next_ids = self._verify(batch, hidden, inp)
         drafts = None
         if self.drafter is not None and n == 0:
-            self._fall_behind(batch, aux, host.forward.query_start_loc, T)
+            self._fall_behind(batch, aux, host.forward.query_start_loc, len(host.forward.input_ids))
         elif self.drafter is not None:
             self._catch_up([s.req for s in batch])
             drafts = self._draft(key, uniform, input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
         if while_busy is not None and self._device_busy():
             while_busy(self._device_busy)
         return self._to_host(batch, tokens, num_accepted, drafts)
+
+    def _num_drafts(self, batch: list[Scheduled], draft_len: int | None) -> int:
+        n = self.K if draft_len is None else min(self.K, max(0, draft_len))
+        # a step drafts nothing only when it verifies nothing: its positions are then all real tokens
+        return 1 if n == 0 and any(s.num_drafts for s in batch) else n
+
+    def _target_forward(self, host: HostStep, key, width: int):
+        """The target over the step's tokens, and the verification inputs on the device: a graph replay that
+        copies its inputs in itself (the host makes no CUDA call before its launch; the verification inputs
+        upload behind it), else one upload and an eager forward."""
+        if key is None:
+            inp, (input_ids, meta) = self._upload(host, width)
+            hidden, aux = self.target(input_ids, meta)
+            return inp, input_ids, meta, hidden, aux
+        B, T = len(host.forward.seq_lens), len(host.forward.input_ids)
+        hidden, aux = self.graphs.target.run_host(host.forward, key)
+        views = self.graphs.target.views(key)
+        inp, _ = self._upload(host, None)
+        return inp, views.input_ids[:T], views.meta(B, T), hidden, aux
 
     def _device_busy(self) -> bool:
         """Whether the step's work is still queued on the device (a host-bound step, e.g. the tiny pair's steps
