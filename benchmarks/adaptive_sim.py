@@ -295,7 +295,6 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
                         token_budget=joins.budget if joins.prompt_len else 0,
                         prompt_backlog=sum(r.prefill for r in active) if joins.prompt_len else None)
         want = policy.choose(info) if K else 0
-        policy.learn()  # as the engine calls it: while the device runs the step
         k = min(want, held)
         drafts = [k] * len(decoding)  # not cut to the tokens a request has left (the scheduler does not either)
         budget = joins.budget - sum(1 + d for d in drafts)  # decoders first (64 x 8 tokens just fill 512)

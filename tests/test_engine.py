@@ -219,16 +219,9 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     from peagle_core.engine.output import TextState
 
     assert not hasattr(TextState.update, "__wrapped__")  # the class's method is unwrapped again
-    assert "learn_us_per_step" not in r  # a CPU runner is never busy: the policy learns inside observe
-    busy = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256, device_busy=True)
-    assert busy["learn_us_per_step"] > 0  # --device-busy: learn ran inside execute, as while a GPU works
-    never = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256, device_busy=True,
-                              busy_share=0.0)
-    assert "learn_us_per_step" not in never  # --busy-share 0: the device done first after every launch
     # --closed-loop: finished requests replaced, so it runs the steps asked for, past the first requests' end
     loop = host_time.measure(requests=2, max_tokens=4, policy="adaptive", k=3, max_model_len=256, closed_loop=12)
-    assert loop["steps"] == 12 and loop["closed_loop"] and loop["choices_ranked"] >= 1  # the first had no ranking
-    assert loop["choose_us_median"]["ranked"] > 0  # and its time is counted with those that ranked
+    assert loop["steps"] == 12 and loop["closed_loop"]
 
 
 class _Cycle:

@@ -151,12 +151,6 @@ class DepthPolicy:
     def observe(self, info: StepInfo, outcome: StepOutcome) -> None:
         self.record(info, outcome)
 
-    def learn(self, busy: Callable[[], bool] | None = None) -> None:
-        """Work a policy may leave until the device is busy: the engine calls this while the next step runs
-        (after its launches, before it waits for the results), so it costs the step no host time. Only while
-        the device is still working on that step: a policy must not rely on it (never on a CPU). `busy`, if
-        given, tells whether the device still is (work past that point adds to the step)."""
-
     def describe(self) -> dict[str, float]:
         """Inputs behind the last choice and the cumulative tally, exported as metrics."""
         return self.tally.as_dict()

@@ -125,13 +125,12 @@ class LLMEngine:
             from peagle_core.depth.baselines import from_config
 
             return from_config(spec)
-        from peagle_core.depth.adaptive import AdaptiveDepth, StepTimeModel, profile_step_grid
+        from peagle_core.depth.adaptive import AdaptiveDepth, StepTimeModel
+        from peagle_core.engine.profile import profile, profile_step_grid
 
         try:  # whole verify steps per batch bucket and k (nothing is in the KV cache yet)
             times = profile_step_grid(self.runner, self.config.max_num_seqs, self.K)
         except ValueError:  # a KV cache too small for the grid's synthetic requests: the token-count profile
-            from peagle_core.engine.profile import profile
-
             points, draft = profile(self.runner, self.config.max_num_seqs * (self.K + 1))
             times = StepTimeModel(points, draft_pass=draft, per_k_draft=self.mode == "eagle3")
         return AdaptiveDepth(self.K, times, k_min=spec.min_num_speculative_tokens, flat_draft=self.mode == "peagle")
@@ -232,8 +231,7 @@ class LLMEngine:
         num_graphs = graphs.num_graphs if graphs is not None else 0
         t0 = time.perf_counter()
         try:
-            # the depth the policy wants next; the policy learns from the last step while the device runs this one
-            result = self.runner.execute(batch, draft_len=draft, while_busy=self.policy.learn)
+            result = self.runner.execute(batch, draft_len=draft)  # drafting the depth the policy wants next
         except Exception as e:
             for s in batch:  # the failure touched exactly these requests: end them, keep the engine
                 self.scheduler.finish(s.req, "error")

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -116,11 +115,8 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], draft_len: int | None = None,
-                while_busy: Callable[[Callable[[], bool]], None] | None = None) -> StepResult:
-        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify.
-        `while_busy` runs once everything is launched, before the step waits for the device, if the device is
-        still working on the step (`_device_busy`, which it is given to tell when the device is done)."""
+    def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
+        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify."""
         host = self._host_inputs(batch)
         uniform = is_uniform_decode(batch)  # one k, no prefill: the target's decode graph, then the drafter's
         width = max(map(len, host.forward.block_tables))
@@ -137,8 +133,6 @@ class ModelRunner:
         elif self.drafter is not None:
             self._catch_up([s.req for s in batch])
             drafts = self._draft(key, uniform, input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
-        if while_busy is not None and self._device_busy():
-            while_busy(self._device_busy)
         return self._to_host(batch, tokens, num_accepted, drafts)
 
     def _num_drafts(self, batch: list[Scheduled], draft_len: int | None) -> int:
@@ -159,12 +153,6 @@ class ModelRunner:
         views = self.graphs.target.views(key)
         inp, _ = self._upload(host, None)
         return inp, views.input_ids[:T], views.meta(B, T), hidden, aux
-
-    def _device_busy(self) -> bool:
-        """Whether the step's work is still queued on the device (a host-bound step, e.g. the tiny pair's steps
-        with prompt chunks on an H200, has the device done before its last launch): work moved into that window
-        is free only then. Never on a CPU, where everything ran synchronously."""
-        return self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query()
 
     def _host_inputs(self, batch: list[Scheduled]) -> HostStep:
         """The step's metadata as host lists."""

@@ -1,9 +1,10 @@
 """A step's metadata from host lists to the device: one copy through reused pinned buffers.
 
 Before an eager step's first launch the device is idle, so every microsecond the host spends here is step time,
-and on a virtual machine each CUDA call costs the host 10-20 us. So the integers and the float sampling parameters share one buffer, written with one memmove into pinned
-memory kept from step to step, and reach the device in one asynchronous copy. A graphed step uploads only its
-verification inputs here, after the graph's launch: the graph copies its own inputs in (`graphs.GraphSet`, staged).
+and on a virtual machine each CUDA call costs the host 10-20 us. So the integers and the float sampling parameters
+share one buffer, written with one memmove into pinned memory kept from step to step, and reach the device in one
+asynchronous copy. A graphed step uploads only its verification inputs here, after the graph's launch: the graph
+copies its own inputs in (`graphs.GraphSet`, staged).
 
 Two buffers alternate. The host refills one only once the copy that last read it has run: the runner says
 when the device is idle (`device_idle`, after each step's device-to-host copy), and an upload into a buffer
