@@ -380,7 +380,7 @@ def test_simulation_starts_the_adaptive_policy_from_a_sweeps_recorded_grid(tmp_p
 
 
 class _CountingEngine:
-    """What `run_switchback` drives: every in-flight request emits one token a step and finishes at its length;
+    """What `run_paired` and `run_level` drive: every in-flight request emits one token a step and finishes at its length;
     each step records the policy that ran it."""
 
     def __init__(self):
@@ -416,27 +416,6 @@ class _CountingEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
         self.live.pop(request_id)
-
-def test_switchback_takes_turns_and_charges_each_policy_its_own_turns():
-    """The policies take turns of `slice_steps` steps (each policy once a cycle, in an order drawn afresh each
-    cycle, so no policy always follows the same one), C requests stay in flight (a finished one replaced at
-    once), each policy is charged its turns' tokens less each turn's burn-in steps, and what is still in flight
-    at the end is aborted."""
-    engine = _CountingEngine()
-    policies = {"K1": "p1", "K3": "p3", "adaptive": "pa"}
-    got = S.run_switchback(engine, policies, [[5, 6]], C=3, slice_steps=4, cycles=8, max_tokens=6, seed=0,
-                           burn_in=1)
-    turns = [engine.ran[i] for i in range(0, len(engine.ran), 4)]
-    assert all(sorted(turns[i:i + 3]) == ["p1", "p3", "pa"] for i in range(0, len(turns), 3))
-    before = {p: {a for a, b in zip(turns, turns[1:]) if b == p and a != p} for p in policies.values()}
-    assert all(len(prev) == 2 for prev in before.values()), before  # each policy followed both others
-    assert all(engine.ran[i:i + 4] == [engine.ran[i]] * 4 for i in range(0, len(engine.ran), 4))
-    for name in policies:
-        assert got[name]["steps"] == 8 * (4 - 1)
-        assert got[name]["tokens"] == 3 * 8 * (4 - 1)  # three requests in flight at every step, one token each
-        assert got[name]["seconds"] > 0 and got[name]["host_seconds"] <= got[name]["seconds"]
-    assert len(engine.aborted) == 3 and not engine.live
-
 
 def test_a_level_reports_the_collectors_pauses_and_the_paired_cells_add_them_up():
     """A full collection stalls a whole step (175-212 ms on the H200 probes before the engine froze its heap): each
@@ -500,47 +479,30 @@ def test_a_restarted_replay_gives_the_next_requests_the_same_traces_again():
     assert replay.run_length("c0") == first[2]
 
 
-@pytest.mark.parametrize("mode", ["switchback", "paired"])
-def test_a_sweep_measuring_a_levels_policies_together_builds_one_engine_a_round_and_a_cell_per_policy(
-        tmp_path, capsys, mode):
-    """--switchback (turns of steps) and --paired (episodes of one workload): one engine a round shared by the
-    policies, one cell per policy, level and round, and the report says how it was measured. Paired cells give
-    every policy of a round the same tokens and a TPOT; turns give none."""
-    flags = {"switchback": ["--switchback", "5", "--switchback-cycles", "2"],
-             "paired": ["--paired", "2", "--waves", "2"]}
-    out = tmp_path / mode
+def test_a_paired_sweep_builds_one_engine_a_round_and_a_cell_per_policy(tmp_path, capsys):
+    """--paired (episodes of one workload): one engine a round shared by the policies, one cell per policy, level and
+    round, every policy of a round given the same tokens and a TPOT, and the report says how it was measured."""
+    out = tmp_path / "paired"
     rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
                  "--max-tokens", "8", "--prompt-len", "8", "--policies", "K1,K3,adaptive", "--rounds", "2",
-                 *flags[mode], "--warmup-steps", "3", "--out", str(out)])
+                 "--paired", "2", "--waves", "2", "--warmup-steps", "3", "--out", str(out)])
     assert rc == 0
     err = capsys.readouterr().err
-    assert err.count(f"{mode} engine built") == 2 and "engine built in" not in err
+    assert err.count("paired engine built") == 2 and "engine built in" not in err
     res = json.loads((out / "sweep.json").read_text())
     assert res["shared_engine"] is True
-    assert res[mode] == ({"slice_steps": 5, "cycles": 2, "burn_in": 2} if mode == "switchback"
-                         else {"episodes": 2, "waves": 2, "min_requests": 0})
+    assert res["paired"] == {"episodes": 2, "waves": 2, "min_requests": 0}
     by = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
     assert set(by) == {(p, r) for p in ("K1", "K3", "adaptive") for r in (0, 1)}
     for c in by.values():
         assert c["K"] == 3 and c["throughput_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
-        if mode == "switchback":
-            assert c["steps"] == 2 * (5 - 2) and c["tpot_ms_mean"] is None
-        else:
-            assert c["requests"] == 2 * 2 * 2 and c["tpot_ms_mean"] > 0
-    if mode == "paired":
-        for r in (0, 1):  # the same workload for every policy of a round
-            assert len({c["output_tokens"] for c in by.values() if c["round"] == r}) == 1
+        assert c["requests"] == 2 * 2 * 2 and c["tpot_ms_mean"] > 0
+    for r in (0, 1):  # the same workload for every policy of a round
+        assert len({c["output_tokens"] for c in by.values() if c["round"] == r}) == 1
     assert by[("K1", 0)]["mean_k"] == 1.0
     md = (out / "sweep.md").read_text()
-    says = "Switchback: at each level the policies took turns of 5 steps" if mode == "switchback" else \
-        "Paired episodes: at each level"
-    assert says in md and "Paired by round" in md
-    bad = {"switchback": [(["--switchback", "2"], "more than 2 steps a turn"),
-                          (["--switchback", "4", "--resume"], "cannot resume")],
-           "paired": [(["--paired", "2", "--switchback", "4"], "give one"), (["--paired", "2", "--resume"],
-                                                                              "cannot resume")]}
-    for args, message in bad[mode]:
-        rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
-                     "--policies", "K1,adaptive", *args, "--out", str(tmp_path / "bad")])
-        err = capsys.readouterr().err
-        assert rc != 0 and message in err and "engine built" not in err
+    assert "Paired episodes: at each level" in md and "Paired by round" in md
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--policies", "K1,adaptive", "--paired", "2", "--resume", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "cannot resume" in err and "engine built" not in err
