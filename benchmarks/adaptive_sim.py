@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from adaptive_sweep import (POLICIES_DEFAULT, STEPS_FORMAT, AcceptanceReplay, Trace, _ints, _names,  # noqa: E402
                             command_line, fixed_ks, fixed_policy, level_only, request_lengths, tune_batch_table,
                             write_report)
-from peagle_core.spec.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel  # noqa: E402
-from peagle_core.spec.baselines import BatchSizeTable, EmaTiers  # noqa: E402
-from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome  # noqa: E402
+from peagle_core.depth.adaptive import AdaptiveDepth, Exploration, StepGrid, StepTimeModel  # noqa: E402
+from peagle_core.depth.baselines import BatchSizeTable, EmaTiers  # noqa: E402
+from peagle_core.depth.policy import DepthPolicy, FixedDepth, StepInfo, StepOutcome  # noqa: E402
 
 
 class StepTable:
@@ -263,7 +263,7 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
     the policy (the policy predicted, and its grid learnt, the depth it asked for, whatever was verified), for
     before/after figures. `switch_s`: a decode step after a step of another shape (another batch size or k, or
     one with prompt tokens) costs this much more: on the tiny pair's H200 probes a k = 7 step after one of another
-    shape took 57-90 us more, for every policy (docs/adaptive_log.md)."""
+    shape took 57-90 us more, for every policy."""
     n = max(C * waves, min_requests)
     noise = random.Random(seed + 7 * C)
     lengths = request_lengths(n, max_tokens, seed)
@@ -295,7 +295,6 @@ def simulate(policy: DepthPolicy, name: str, table: StepTable, trace: Trace, C: 
                         token_budget=joins.budget if joins.prompt_len else 0,
                         prompt_backlog=sum(r.prefill for r in active) if joins.prompt_len else None)
         want = policy.choose(info) if K else 0
-        policy.learn()  # as the engine calls it: while the device runs the step
         k = min(want, held)
         drafts = [k] * len(decoding)  # not cut to the tokens a request has left (the scheduler does not either)
         budget = joins.budget - sum(1 + d for d in drafts)  # decoders first (64 x 8 tokens just fill 512)

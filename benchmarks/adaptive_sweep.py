@@ -57,23 +57,41 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gc_pauses import Pauses
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_FORMAT = "peagle-acceptance-trace/1"
 STEPS_FORMAT = "peagle-step-times/1"
-SWITCH_BURN_IN = 2  # --switchback: a turn's first steps verify drafts made to the previous policy's depth
-SWITCHBACK_NOTE = ("Switchback: at each level the policies took turns of {} steps in one closed loop on one engine, "
-                   "{} turns each (in an order drawn afresh each cycle), after an untimed warm-up wave. A cell is a "
-                   "policy's own turns: their output tokens over their wall time, the first {} steps of each turn not "
-                   "counted (they verify drafts made to the previous policy's depth). No TPOT: a request's tokens span "
-                   "several policies' turns. A round is one engine build; the rounds' spread is between builds.")
 PAIRED_NOTE = ("Paired episodes: at each level, after an untimed warm-up wave, {} episodes; in each, every policy "
                "(in an order drawn afresh) ran the same workload from an idle engine: the same prompts and output "
                "lengths, {} requests at concurrency C in a closed loop. Greedy speculation is lossless and the "
                "lengths are fixed (ignore_eos), so every policy emitted the same tokens, and a cell is its episodes'"
                " tokens over their wall time (ramp and drain included, the same workload for every policy). TPOT: "
                "the mean of the episodes' means. A round is one engine build; the rounds' spread is between builds.")
+
+
+class Pauses:
+    """The garbage collector's pauses inside the `with` block: (generation, seconds) for each collection."""
+
+    def __enter__(self) -> "Pauses":
+        self.pauses: list[tuple[int, float]] = []
+        self._started: list[float] = []
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started.append(time.perf_counter())
+        elif self._started:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started.pop()))
+
+    def total_ms(self) -> float:
+        return 1e3 * sum(s for _, s in self.pauses)
+
+    def max_ms(self) -> float:
+        return 1e3 * max((s for _, s in self.pauses), default=0.0)
 FIXED_DEFAULT = (1, 3, 5, 7)
 POLICIES_DEFAULT = ("none", "K1", "K3", "K5", "K7", "adaptive", "batch_table", "ema_tiers")
 BAR_FRACTION = 0.97  # issue 10: adaptive >= 0.97 x the best fixed K at every concurrency
@@ -551,46 +569,6 @@ def run_level(engine, prompts: list, C: int, waves: int, max_tokens: int, seed: 
             "gc_ms": paused.total_ms(), "gc_max_ms": paused.max_ms()}
 
 
-def run_switchback(engine, policies: dict[str, Any], prompts: list, C: int, slice_steps: int, cycles: int,
-                   max_tokens: int, seed: int, burn_in: int = 2, tag: str = "s") -> dict[str, dict[str, Any]]:
-    """Closed loop at concurrency C on one engine, the policies taking turns every `slice_steps` steps for
-    `cycles` cycles (the order drawn afresh each cycle). Each policy is charged the tokens and wall time of its own
-    slices, less each slice's first `burn_in` steps (they verify drafts made to the previous policy's depth).
-
-    A switchback, not a sequence of cells: on a host whose speed drifts over seconds (the tiny pair on the
-    H200, where cells two seconds apart differed by up to 40%), every policy then runs at every moment's host
-    speed, and the drift cancels in the ratios. The policies keep their state across their slices. The order is
-    shuffled each cycle: a rotation kept each policy's predecessor the same, so an effect a turn inherits from
-    the one before was not averaged out (docs/adaptive_log.md: the tiny pair at one request, adaptive 10% ahead of a
-    K7 it matched step for step)."""
-    from peagle_core.engine.types import SamplingParams, SpecDecodeStats
-
-    rng, order, names, n = random.Random(seed), random.Random(seed + 1), list(policies), 0
-    got = {p: {"tokens": 0, "seconds": 0.0, "steps": 0, "host_seconds": 0.0, "stats": SpecDecodeStats()}
-           for p in names}
-    inflight: set[str] = set()
-    for _ in range(cycles):
-        for p in order.sample(names, len(names)):
-            engine.policy, engine.stats, g = policies[p], got[p]["stats"], got[p]
-            for i in range(slice_steps):
-                t0, executing = time.perf_counter(), engine.execute_seconds
-                while len(inflight) < C:  # a finished request is replaced at once
-                    sp = SamplingParams(temperature=0.0, max_tokens=request_length(rng, max_tokens), ignore_eos=True)
-                    inflight.add(engine.add_request(f"{tag}{C}-{n}", prompts[n % len(prompts)], sp).request_id)
-                    n += 1
-                updates = engine.step()
-                seconds = time.perf_counter() - t0
-                inflight.difference_update(u.req.request_id for u in updates if u.req.finished)
-                if i >= burn_in:
-                    g["tokens"] += sum(len(u.new_token_ids) for u in updates)
-                    g["seconds"] += seconds
-                    g["steps"] += 1
-                    g["host_seconds"] += seconds - (engine.execute_seconds - executing)
-    for request_id in inflight:
-        engine.abort(request_id)
-    return got
-
-
 def run_paired(engine, policies: dict[str, Any], prompts: list, C: int, episodes: int, waves: int, max_tokens: int,
                seed: int, min_requests: int = 0, tag: str = "e",
                restart: Callable[[int], None] | None = None) -> dict[str, dict[str, Any]]:
@@ -599,11 +577,9 @@ def run_paired(engine, policies: dict[str, Any], prompts: list, C: int, episodes
     and the same output lengths (`run_level` with the episode's seed). Each policy is charged its own episodes'
     tokens and wall time.
 
-    Paired, where `run_switchback` is not: in its turns at 1-4 requests a policy served two or three requests, and
-    acceptance differs by prompt, so the policies' tokens a step differed by up to 16% either way (the tiny pair
-    on an H200, docs/adaptive_log.md); here every policy serves the same requests and emits the same tokens, so the
-    ratio of two cells is the ratio of their times. Short episodes in a shuffled order keep what the switchback
-    gave: every policy runs at every moment's host speed. The policies keep their state across episodes.
+    Every policy serves the same requests and emits the same tokens, so the ratio of two cells is the ratio of their
+    times; short episodes in a shuffled order have every policy run at every moment's host speed (on a host-bound
+    engine it drifts over seconds by more than the policies differ). The policies keep their state across episodes.
     `restart(first)` runs before each policy's run (`AcceptanceReplay.restart`: the same replayed acceptance for
     the same requests; requests are admitted in the workload's order whatever the policy)."""
     from peagle_core.engine.types import SpecDecodeStats
@@ -719,7 +695,7 @@ def run_order(policies: list[str], levels: list[int], rounds: int, shared_engine
 def level_only(policy) -> None:
     """The adaptive policy as it was before its step-time grid learnt the shape across k: live steps rescale
     the grid's rows (the level) only, and it never explores. For before/after cells in one sweep."""
-    from peagle_core.spec.adaptive import Exploration
+    from peagle_core.depth.adaptive import Exploration
 
     policy.times.learn_shape = False
     policy.explore = Exploration.off()
@@ -777,19 +753,14 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
     fixed = fixed_ks(a.policies) or list(FIXED_DEFAULT)
     max_k = max(fixed)
     other = [p for p in a.policies if fixed_policy(p) is None and p not in ("adaptive", "adaptive_level")]
-    if (a.shared_engine or a.switchback or a.paired) and other:
-        flag = "--switchback" if a.switchback else "--paired" if a.paired else "--shared-engine"
+    if (a.shared_engine or a.paired) and other:
+        flag = "--paired" if a.paired else "--shared-engine"
         raise ValueError(f"{flag} runs K<k> and adaptive policies, not {', '.join(other)}")
-    if a.switchback and (a.switchback <= SWITCH_BURN_IN or a.switchback_cycles < 1):
-        raise ValueError(f"--switchback needs more than {SWITCH_BURN_IN} steps a turn and at least one cycle")
-    if a.paired and a.switchback:
-        raise ValueError("--paired and --switchback are two ways of measuring a level's policies together: give one")
     if a.paired < 0:
         raise ValueError("--paired needs a number of episodes")
-    turns = "--switchback" if a.switchback else "--paired"
-    if (a.switchback or a.paired) and a.resume:
-        raise ValueError(f"{turns} measures a level's policies together: it cannot resume single cells")
-    a.shared_engine = a.shared_engine or bool(a.switchback or a.paired)  # one engine a round: paired by round
+    if a.paired and a.resume:
+        raise ValueError("--paired measures a level's policies together: it cannot resume single cells")
+    a.shared_engine = a.shared_engine or bool(a.paired)  # one engine a round: paired by round
     trace = Trace.load(a.replay) if a.replay else None
     models = build_models(a.shape, a.mode, device, getattr(torch, dtype_name), a.seed, a.pair)
     max_len = a.prompt_len + 2 * a.max_tokens + 2 * max_k + 64 if a.prompts == "random" else 2048
@@ -832,7 +803,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         started = time.perf_counter()
     table = batch_table
     shared = None  # --shared-engine: (round, engine, replay, its adaptive policy as built)
-    together = bool(a.switchback or a.paired)  # a level's policies measured together on one engine a round
+    together = bool(a.paired)  # a level's policies measured together on one engine a round
     if together:
         cells += together_cells(a, order, models, max_k, open_engine, release, lambda: prompts, started, out, log)
     for rnd, policy, levels in run_order(order, a.concurrency, a.rounds if not together else 0, a.shared_engine):
@@ -866,7 +837,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         else:
             engine, replay = open_engine(spec)
         if f is not None and (f[1] is not None or a.shared_engine):
-            from peagle_core.spec.depth import FixedDepth
+            from peagle_core.depth.policy import FixedDepth
 
             engine.policy = FixedDepth(f[0])  # benchmark only: k < K on a depth-K engine
         if policy == "adaptive_level":  # benchmark only: the adaptive policy before its grid learnt the shape
@@ -903,13 +874,9 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
               "concurrency": a.concurrency, "policies": a.policies, "fixed": fixed, "max_tokens": a.max_tokens,
               "prompts": a.prompts, "waves": a.waves, "min_requests": a.min_requests, "rounds": a.rounds,
               "warmup_steps": a.warmup_steps, "warm_policy": a.warm_policy, "shared_engine": a.shared_engine,
-              "switchback": ({"slice_steps": a.switchback, "cycles": a.switchback_cycles, "burn_in": SWITCH_BURN_IN}
-                             if a.switchback else None),
               "paired": ({"episodes": a.paired, "waves": a.waves, "min_requests": a.min_requests}
                          if a.paired else None),
-              "notes": ([SWITCHBACK_NOTE.format(a.switchback, a.switchback_cycles, SWITCH_BURN_IN)] if a.switchback
-                        else [PAIRED_NOTE.format(a.paired, f"max({a.waves} x C, {a.min_requests})")] if a.paired
-                        else []),
+              "notes": [PAIRED_NOTE.format(a.paired, f"max({a.waves} x C, {a.min_requests})")] if a.paired else [],
               "acceptance": ({"replay": str(a.replay), "trace": (trace.source if trace else None),
                               "trace_acceptance_length_at_K": trace.acceptance_length() if trace else None}
                              if trace else "real (the model's own drafts)"),
@@ -922,12 +889,10 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
 
 def together_cells(a: argparse.Namespace, order: list[str], models: "Models", max_k: int, open_engine, release,
                    prompts, started: float, out: Path, log) -> list[dict[str, Any]]:
-    """--switchback / --paired: per round one depth-K engine; at each level a warm-up wave, then every policy in
-    turns of `a.switchback` steps (`run_switchback`) or in `a.paired` episodes of the same workload
-    (`run_paired`). One cell per policy and level, as the other modes write them (no TPOT in turns: a request's
-    tokens span several policies' slices)."""
-    how = "(switchback)" if a.switchback else "(paired)"
-    from peagle_core.spec.depth import FixedDepth
+    """--paired: per round one depth-K engine; at each level a warm-up wave, then every policy in `a.paired`
+    episodes of the same workload (`run_paired`). One cell per policy and level, as the other modes write them."""
+    how = "(paired)"
+    from peagle_core.depth.policy import FixedDepth
 
     cells = []
     for rnd in range(a.rounds):
@@ -935,7 +900,7 @@ def together_cells(a: argparse.Namespace, order: list[str], models: "Models", ma
         engine, replay = open_engine(policy_spec("adaptive", models, max_k, None))
         built = copy.deepcopy(engine.policy)
         log(f"[sweep] {how[1:-1]} engine built (K={engine.K}, round {rnd + 1}/{a.rounds}): {', '.join(order)} "
-            + (f"take turns of {a.switchback} steps" if a.switchback else f"run {a.paired} episodes each"))
+            + f"run {a.paired} episodes each")
 
         def fresh(p: str):  # the policy's start-up state on this round's engine
             if (f := fixed_policy(p)) is not None:
@@ -957,12 +922,8 @@ def together_cells(a: argparse.Namespace, order: list[str], models: "Models", ma
                 if not a.warm_policy:
                     policies[p] = fresh(p)
             seed = a.seed + 97 * rnd + C
-            if a.switchback:
-                got = run_switchback(engine, policies, prompts(), C, a.switchback, a.switchback_cycles, a.max_tokens,
-                                     seed, burn_in=SWITCH_BURN_IN)
-            else:
-                got = run_paired(engine, policies, prompts(), C, a.paired, a.waves, a.max_tokens, seed,
-                                 a.min_requests, restart=replay.restart if replay else None)
+            got = run_paired(engine, policies, prompts(), C, a.paired, a.waves, a.max_tokens, seed,
+                             a.min_requests, restart=replay.restart if replay else None)
             for p in order:
                 g = got[p]
                 engine.policy, engine.stats = policies[p], g["stats"]
@@ -998,92 +959,6 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({result['shape']}, "
                  f"{result['mode']}; {len(parts)} runs, one per concurrency range)")
     return result
-
-
-def diagnose(path: Path, log=print) -> None:
-    """Figures derived from a committed sweep JSON (docs/adaptive_log.md cites them): adaptive over the best fixed K
-    by the whole level (output tokens over the level's wall time, not the steady window), each cell's time per
-    step (its output tokens per step over its throughput), the loop's host time per step where the sweep
-    recorded it (outside the device steps), and the adaptive policy's host time per step (`choose` + `observe`
-    on this machine, on the grid the sweep's engine profiled at 4 requests)."""
-    result = json.loads(path.read_text())
-    rounds = [{**c, "level_tok_s": c["output_tokens"] / c["wall_s"],
-               "step_ms": 1e3 * c["output_tokens"] / c["steps"] / c["throughput_tok_s"],
-               "host_ms_per_step": c.get("host_ms_per_step", estimated_host_ms(c))}
-              for c in result["cells_by_round"] if c.get("status") == "ok"]
-    cells, conc = combine_rounds(rounds), result["concurrency"]
-    window = {b["concurrency"]: b for b in bar_rows(cells, result["fixed"], conc)}
-    for b in bar_rows(cells, result["fixed"], conc, key="level_tok_s"):
-        C = b["concurrency"]
-        row = [c for c in cells if c["concurrency"] == C]
-        steps = " ".join(f"{c['policy']} {c['step_ms']:.2f}" for c in row)
-        host = " ".join(f"{c['policy']} {1e3 * c['host_ms_per_step']:.0f}" for c in row
-                        if c.get("host_ms_per_step") is not None)
-        log(f"C={C:<3} adaptive/best: window {window[C]['over_best']:.3f} ({window[C]['best_fixed']}), "
-            f"whole level {b['over_best']:.3f} ({b['best_fixed']}); ms a step: {steps}"
-            + (f"; host us a step: {host}" if host else ""))
-    if any(c["policy"] == "adaptive" and "step_grid" in c for c in cells):
-        from adaptive_sim import recorded_start_up_grid  # (it imports this module: not at the top)
-
-        grid = recorded_start_up_grid(result)
-        for batch in (4, 16, 64):
-            r = policy_loop(grid, batch)
-            log(f"adaptive policy host time: tight loop at {batch} requests, choose {r['choose_us']:.1f} + observe "
-                f"{r['observe_us']:.1f} us a step (learn {r['learn_us']:.1f}, while the device runs); "
-                f"mean k {r['mean_k']:.2f}, k digest {r['k_digest']}")
-
-
-def estimated_host_ms(cell: dict[str, Any]) -> float | None:
-    """A round's host ms a step for sweeps before `host_ms_per_step` was recorded: its wall time less its device
-    steps, these rebuilt from the per-k fields (decode steps split by `k_share`, which also counts the steps with
-    a prompt chunk, so an estimate). None without those fields."""
-    ms, share = cell.get("decode_step_ms_at_k"), cell.get("k_share", {})
-    if not ms or "other_steps" not in cell:
-        return None
-    decode = cell["steps"] - cell["other_steps"]
-    mean = sum(share.get(k, 0.0) * t for k, t in ms.items()) / max(sum(share.get(k, 0.0) for k in ms), 1e-12)
-    device_ms = decode * mean + cell["other_steps"] * cell["other_step_ms"]
-    return (1e3 * cell["wall_s"] - device_ms) / cell["steps"]
-
-
-def policy_loop(grid: dict[int, list[float]], batch: int = 4, steps: int = 3000) -> dict[str, Any]:
-    """The adaptive policy on a start-up grid (seconds per batch size and k) over synthetic steps, in a tight loop:
-    its host microseconds a step in `choose` and `observe` (what it adds between two device steps) and in `learn`
-    (run while one executes), and a digest of the k it asked for (the same digest from two checkouts: the same
-    choices). One request in four steps is missing, so the batch size moves as in a closed loop. Between real
-    engine steps the policy runs several times slower (host_time.py's policy_us_per_step)."""
-    from peagle_core.spec.adaptive import AdaptiveDepth, StepGrid
-    from peagle_core.spec.depth import StepInfo, StepOutcome
-
-    K = len(next(iter(grid.values()))) - 1
-    policy = AdaptiveDepth(K, StepGrid(grid))
-    rng, drafts, asked = random.Random(0), K, []
-    parts = {"choose": 0.0, "learn": 0.0, "observe": 0.0}
-    for i in range(steps):
-        b = max(1, batch - (i % 4 == 0))
-        info = StepInfo(b, 0, K, drafts)
-        t0 = time.perf_counter()
-        want = policy.choose(info)
-        t1 = time.perf_counter()
-        policy.learn()
-        t2 = time.perf_counter()
-        v = min(want, drafts)
-        outcome = StepOutcome(v, [(v, min(v, rng.randrange(4))) for _ in range(b)],
-                              policy.times.step(b, v) * rng.uniform(0.9, 1.1), b * (1 + v), drafted=want)
-        t3 = time.perf_counter()
-        policy.observe(info, outcome)
-        parts["choose"] += t1 - t0
-        parts["learn"] += t2 - t1
-        parts["observe"] += time.perf_counter() - t3
-        asked.append(want)
-        drafts = want
-    return {**{f"{name}_us": 1e6 * t / steps for name, t in parts.items()},
-            "k_digest": zlib.crc32(bytes(asked)), "mean_k": sum(asked) / steps}
-
-
-# ------------------------------------------------------------------------------------------------
-# Report: JSON + markdown + PNG (shared with adaptive_sim.py)
-# ------------------------------------------------------------------------------------------------
 
 
 def bar_rows(cells: list[dict[str, Any]], fixed: list[int], concurrency: list[int],
@@ -1336,11 +1211,6 @@ def parser() -> argparse.ArgumentParser:
                    help="one depth-K engine a round, every policy swapped into it (K<k> and adaptive only), "
                         "level by level (every policy at a level back to back): for host-bound engines, whose "
                         "builds and moments differ in host speed more than the policies do")
-    s.add_argument("--switchback", type=int, default=0, metavar="STEPS",
-                   help="one depth-K engine a round; at each level the policies (K<k> and adaptive) take turns of "
-                        "STEPS steps in one closed loop, each charged its own slices' tokens and time: the host's "
-                        "drift over seconds, larger than the policies' differences on a host-bound engine, cancels")
-    s.add_argument("--switchback-cycles", type=int, default=12, help="turns each policy takes at a level")
     s.add_argument("--paired", type=int, default=0, metavar="EPISODES",
                    help="one depth-K engine a round; at each level EPISODES workloads of max(waves x C, min-requests) "
                         "requests, each run by every policy (K<k> and adaptive) in turn from an idle engine: the same "
@@ -1382,10 +1252,6 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("parts", nargs="+", help="the sweeps' --out directories (each with sweep.json)")
     m.add_argument("--out", required=True)
 
-    d = sub.add_parser("diagnose", help="figures derived from a sweep JSON: whole-level ratios, ms a step, "
-                       "the adaptive policy's host time")
-    d.add_argument("sweep_json")
-
     t = sub.add_parser("steps", help="measure a step-time table T(batch, k) for adaptive_sim.py")
     t.add_argument("--shape", default="tiny", choices=["tiny", "random-tiny", "20b", "120b"])
     t.add_argument("--mode", default="peagle", choices=["peagle", "eagle3"])
@@ -1412,8 +1278,6 @@ def main(argv: list[str] | None = None) -> int:
             sweep(a, log)
         elif a.cmd == "merge":
             merge([Path(p) for p in a.parts], Path(a.out))
-        elif a.cmd == "diagnose":
-            diagnose(Path(a.sweep_json))
         elif a.cmd == "record":
             from peagle_core.loading.tokenizer import Tokenizer
             from peagle_core.loading.hub import resolve

@@ -4,24 +4,13 @@ appending tokens, detokenizing, the policy's bookkeeping), which a GPU step does
     python benchmarks/host_time.py --requests 32 --max-tokens 960                 # fixed K = 3, the shipped pair
     python benchmarks/host_time.py --requests 64 --max-tokens 48 --policy adaptive --k 7
     python benchmarks/host_time.py --stop-filter        # one request's stop-string filter alone, as outputs grow
-    python benchmarks/host_time.py --requests 8 --max-tokens 200 --policy adaptive --k 7 --device-busy
-    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \\
-        --closed-loop 300
-    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --device-busy \\
-        --busy-share 0.5 --closed-loop 300
-
---device-busy: the runner reports its device busy after every launch, as a GPU step does, so the policy's `learn`
-runs inside `execute` (off the host's critical path on a GPU) and is timed on its own (`learn_us_per_step`); a
-CPU never runs it otherwise, and the choices that rank afresh fold the kept steps in instead. `--busy-share P`:
-busy after a launch with probability P only (seeded), as on the tiny pair's H200 host, where the device is often
-done first in steps with prompt chunks and the choices after them find no ranking prepared.
+    python benchmarks/host_time.py --requests 64 --max-tokens 128 --policy adaptive --k 7 --closed-loop 300
 
 On the shipped tiny pair on a CPU the device step is slow, but the host work around it is the same Python as on
 a GPU host. Prints one JSON line: steps, the mean host microseconds a step, and the same over the first and last
 quarter of the steps (a cost that grows with the output's length shows in the last quarter), and the parts of
 it timed by wrapping them: the depth policy's `choose` + `observe`, the scheduler, appending tokens, the text
-updates (detokenizing), and for the adaptive policy how many choices ranked afresh and the median time of a
-choice that ranked and of one that looked its ranking up (`choose_us_median`). `--closed-loop STEPS` keeps
+updates (detokenizing). `--closed-loop STEPS` keeps
 `--requests` in flight (each finished request replaced), so the batch size moves as in a serving engine. It only
 wraps methods, so the script also runs on older commits (copy it into a checkout's `benchmarks/` and run it there)
 for before/after figures.
@@ -31,8 +20,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -68,37 +55,13 @@ class Loop:
         self.added += 1
 
 
-def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int, device_busy: bool = False,
-            closed_loop: int = 0, busy_share: float = 1.0) -> dict:
+def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: int, closed_loop: int = 0) -> dict:
     loop = Loop(requests, max_tokens, policy, k, max_model_len)
     engine, add = loop.engine, loop.add
     parts: dict[str, float] = {}
     wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "choose"),
                (engine.policy, "observe", "observe"), (engine.scheduler, "schedule", "schedule"),
                (engine, "_append", "append"), (TextState, "update", "text")]
-    if device_busy:
-        rng = random.Random(0)  # `learn` runs inside execute, as on a GPU (where the device is still busy)
-        engine.runner._device_busy = lambda: busy_share >= 1.0 or rng.random() < busy_share
-        wrapped.append((engine.policy, "learn", "learn"))
-    ranked = [0]  # choices that ranked afresh (the adaptive policy's, where `learn` had no ranking for them)
-    choices: dict[str, list[float]] = {"ranked": [], "looked_up": []}  # each choice's seconds, by which it did
-    if hasattr(engine.policy, "_rank"):
-        choose, rank, choosing = engine.policy.choose, engine.policy._rank, [False]
-
-        def counted_choose(info):
-            choosing[0], before = True, ranked[0]
-            t0 = time.perf_counter()
-            try:
-                return choose(info)
-            finally:
-                choices["ranked" if ranked[0] > before else "looked_up"].append(time.perf_counter() - t0)
-                choosing[0] = False
-
-        def counted_rank(*args, **kwargs):
-            ranked[0] += choosing[0]
-            return rank(*args, **kwargs)
-
-        engine.policy.choose, engine.policy._rank = counted_choose, counted_rank
     originals = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in wrapped]
     for obj, name, part in wrapped:
         timed(obj, name, part, parts)
@@ -124,8 +87,6 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
             "host_us_per_step": us(host), "first_quarter_us": us(host[:q]), "last_quarter_us": us(host[-q:]),
             **{f"{part}_us_per_step": round(1e6 * t / len(host), 1) for part, t in parts.items() if part != "execute"},
             "policy_us_per_step": round(1e6 * (parts.get("choose", 0.0) + parts.get("observe", 0.0)) / len(host), 1),
-            "choices_ranked": ranked[0],
-            "choose_us_median": {w: round(1e6 * statistics.median(t), 1) for w, t in choices.items() if t},
             "closed_loop": bool(closed_loop), "torch": torch.__version__}
 
 
@@ -176,16 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-filter", action="store_true", help="time the stop-string filter alone instead")
     p.add_argument("--closed-loop", type=int, default=0, metavar="STEPS",
                    help="replace each finished request by a new one, for STEPS steps (the batch size moves)")
-    p.add_argument("--device-busy", action="store_true",
-                   help="let the policy's learn run inside execute, as while a GPU works (timed apart)")
-    p.add_argument("--busy-share", type=float, default=1.0, metavar="P",
-                   help="with --device-busy: the device still busy after a launch with probability P only")
     a = p.parse_args(argv)
     if a.stop_filter:
         print(json.dumps(stop_filter_pushes()))
         return 0
-    print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len, a.device_busy,
-                             a.closed_loop, a.busy_share)))
+    print(json.dumps(measure(a.requests, a.max_tokens, a.policy, a.k, a.max_model_len, a.closed_loop)))
     return 0
 
 

@@ -27,7 +27,7 @@ from peagle_kernels.triton_linear import SHIPPED_TILES, LinearTiles, linear_trit
 # GPT-OSS-20B/120B attention (hidden 2880, 64 q heads and 8 kv heads of 64), the same at TP = 2, the tiny target's
 SHAPES = [("20b qkv", 5120, 2880), ("20b o", 2880, 4096), ("tp2 qkv", 2560, 2880), ("tp2 o", 2880, 2048),
           ("tiny qkv", 384, 256), ("tiny o", 256, 256)]
-# around the first sweep's best (docs/benchmarks/skinny_linear_first.md: 16 columns, K steps of 256, two warps)
+# around a wider first sweep's best (16 columns, K steps of 256, two warps)
 TILES = [LinearTiles(*t) for t in ((16, 256, 2, 4), (16, 256, 1, 4), (16, 256, 2, 3), (16, 256, 2, 6),
                                    (16, 512, 2, 3), (16, 512, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
                                    (16, 128, 2, 8), (32, 256, 2, 4), (32, 512, 4, 3), (16, 256, 4, 4))]

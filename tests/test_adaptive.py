@@ -2,8 +2,8 @@
 import pytest
 
 from peagle_core import LLM, SamplingParams
-from peagle_core.spec.adaptive import AcceptanceEstimate, AdaptiveDepth, StepTimeModel
-from peagle_core.spec.depth import StepInfo, StepOutcome
+from peagle_core.depth.adaptive import AcceptanceEstimate, AdaptiveDepth, StepTimeModel
+from peagle_core.depth.policy import StepInfo, StepOutcome
 
 
 def policy(K=7, rates=None, times=None, draft=0.0, per_k=False, k_min=0):
@@ -104,19 +104,17 @@ def test_adaptive_engine_output_equals_plain_greedy(tiny_pair, mode):
 def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     """The engine marks a step during which a CUDA graph was captured (a shape first met): its time is the
     capture's. The adaptive policy keeps its acceptance evidence but not that time."""
-    from peagle_core.spec.adaptive import StepGrid
-    from peagle_core.spec.depth import FixedDepth
+    from peagle_core.depth.adaptive import StepGrid
+    from peagle_core.depth.policy import FixedDepth
 
     grid = lambda: StepGrid({1: [1e-3, 1.2e-3], 8: [2e-3, 2.4e-3]})
-    p = AdaptiveDepth(1, grid(), rank_every=1)  # every `learn` folds the step times it holds in
+    p = AdaptiveDepth(1, grid())
     info = StepInfo(1, 0, 1)
     p.choose(info)
     p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2, timed=False))  # a 50 ms capture
-    p.learn()  # what the engine runs while the next step is on the device
     assert p.times.rows == grid().rows and p.acceptance.reached[0] == 1
-    p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2))
-    assert p.times.rows == grid().rows  # the time is learnt at the next `learn` (or `observe`)
-    p.learn()
+    p.choose(info)
+    p.observe(info, StepOutcome(1, [(1, 1)], 0.05, 2))  # the same time, not a capture: learnt
     assert p.times.rows != grid().rows
 
     class Recorder(FixedDepth):
@@ -133,10 +131,10 @@ def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     engine.policy = Recorder(2)
     execute = runner.execute
 
-    def capturing_once(batch, draft_len=None, while_busy=None):
+    def capturing_once(batch, draft_len=None):
         runner.graphs = None  # the real step runs eagerly on a CPU
         try:
-            return execute(batch, draft_len, while_busy)
+            return execute(batch, draft_len)
         finally:
             runner.graphs = Graphs
             Graphs.num_graphs = 1
@@ -147,43 +145,10 @@ def test_a_step_that_captured_a_graph_teaches_the_step_model_nothing(tiny_pair):
     assert seen[0] is False and seen[1:] and all(seen[1:])
 
 
-@pytest.mark.parametrize("busy", [True, False])
-def test_the_engine_runs_the_policys_learning_while_the_step_is_on_the_device(tiny_pair, busy, monkeypatch):
-    """`DepthPolicy.learn` runs inside each step after its launches and before the step waits for the device
-    (the device-to-host copy of its results), so the adaptive policy's step-time update and its next ranking
-    cost no host time between steps; only while the device still works on the step (a CPU never does: it is
-    told so here). The output is plain greedy decoding's whatever the policy learns, and when."""
-    from peagle_core.engine.model_runner import ModelRunner
-    from peagle_core.spec.depth import FixedDepth
-
-    events = []
-
-    class Recorder(FixedDepth):
-        def learn(self, busy=None):
-            events.append(("learn", busy is not None and busy()))
-
-    monkeypatch.setattr(ModelRunner, "_device_busy", lambda self: busy)
-    spec = {"method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 2, "parallel_drafting": True}
-    llm = LLM(tiny_pair["target"], device="cpu", speculative_config=spec)
-    engine, runner = llm.engine, llm.engine.runner
-    engine.policy = Recorder(2)
-    to_host = runner._to_host
-    runner._to_host = lambda *a: (events.append("wait"), to_host(*a))[1]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    out = llm.generate([[1, 2, 3]], params)
-    # learn is given the runner's probe, to tell when the device is done
-    assert events and events == ([("learn", True), "wait"] if busy else ["wait"]) * (len(events) // (1 + busy))
-
-    adaptive = LLM(tiny_pair["target"], device="cpu", speculative_config={**spec, "depth_policy": "adaptive"})
-    plain = LLM(tiny_pair["target"], device="cpu")
-    ids = lambda llm_: llm_.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
-    assert ids(adaptive) == ids(plain) == out[0].outputs[0].token_ids
-
-
 def budget_policy(rate=0.9):
     """Steps that cost about the same whatever the batch or k (memory-bound), acceptance 0.9 a position: without
     a budget, k = 7."""
-    from peagle_core.spec.adaptive import StepGrid
+    from peagle_core.depth.adaptive import StepGrid
 
     grid = StepGrid({1: [9.0 + 0.05 * k for k in range(8)], 64: [10.0 + 0.2 * k for k in range(8)]})
     p = AdaptiveDepth(7, grid)
@@ -196,14 +161,11 @@ def test_prompt_share_is_read_from_the_steps():
     p = budget_policy()
     # 4 requests verified 3 drafts and accepted 1 (8 tokens emitted); 4 x 4 decode tokens, the other 100 prompts
     p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 1)] * 4, 0.01, 4 * 4 + 100))
-    p.fold()  # `observe` keeps the last step for `learn` (or the next choice) to fold in
     assert p.prompts.rho == pytest.approx(100 / 8)
     p.observe(StepInfo(0, 0, 7), StepOutcome(7, [], 0.01, 50))  # a prefill-only step: prompts, nothing emitted
-    p.fold()
     assert p.prompts.rho == pytest.approx((100 * 0.9 + 50) / (8 * 0.9))
     for _ in range(60):  # no more arrivals: the prompts' share of the budget fades
         p.observe(StepInfo(4, 0, 7), StepOutcome(3, [(3, 1)] * 4, 0.01, 16))
-    p.fold()
     assert p.prompts.rho < 0.01
     assert p.describe()["prompt_tokens_per_output_token"] == p.prompts.rho
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peagle_core import LLM, SamplingParams
-from peagle_core.spec.depth import FixedDepth
+from peagle_core.depth.policy import FixedDepth
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -34,7 +34,7 @@ def test_replay_forces_the_recorded_runs(tiny_pair, mode):
     eng = llm.engine
     replay = S.AcceptanceReplay(trace, 3).install(eng.runner)
     seen = S.AcceptanceRecorder().install(eng.runner)  # outside the replay: sees what the engine gets
-    from peagle_core.spec.depth import DepthPolicy
+    from peagle_core.depth.policy import DepthPolicy
 
     class TwoThree(DepthPolicy):  # k alternates 3, 2: the replay must cap the run at k
         n = 0
@@ -182,26 +182,6 @@ def test_combine_rounds_takes_medians_and_keeps_single_cells():
     assert combined["K1"]["throughput_tok_s"] == 20.0 and combined["K1"]["throughput_by_round"] == [30.0, 10.0, 20.0]
     assert combined["K1"]["decode_step_ms_at_k"] == {"1": 7.0, "2": 9.0}  # per k, over the rounds that ran it
     assert combined["K3"]["rounds"] == 1 and combined["K3"]["throughput_tok_s"] == 5.0
-
-
-def test_diagnose_reproduces_the_figures_docs_cite_from_a_committed_sweep():
-    """docs/adaptive_log.md's whole-level ratios and per-step times of the H200 run a come from this."""
-    lines = []
-    S.diagnose(ROOT / "docs/benchmarks/adaptive_20b_x2_verified_a.json", lines.append)
-    c4 = next(line for line in lines if line.startswith("C=4 "))
-    assert "window 0.952 (K1)" in c4 and "whole level 0.968 (K1)" in c4
-    assert "K1 7.62" in c4 and "K3 8.42" in c4 and "adaptive 8.73" in c4
-    assert lines[-1].startswith("adaptive policy host time:")
-    assert "host us a step" not in c4  # this sweep predates the per-k fields the host time is estimated from
-    # The run before the policy's host time was cut: host time estimated from its per-k fields; the runs after
-    # it recorded the host time itself.
-    lines = []
-    S.diagnose(ROOT / "docs/benchmarks/adaptive_20b_x2_levels32.json", lines.append)
-    c4 = next(line for line in lines if line.startswith("C=4 "))
-    assert "host us a step: K1 191 K3 251 K5 249 K7 256 adaptive 427" in c4
-    lines = []
-    S.diagnose(ROOT / "docs/benchmarks/adaptive_20b_x2_host_a.json", lines.append)
-    assert "adaptive 202" in next(line for line in lines if line.startswith("C=4 "))
 
 
 def test_sweep_replays_acceptance_on_random_weights(tmp_path):
@@ -399,35 +379,8 @@ def test_simulation_starts_the_adaptive_policy_from_a_sweeps_recorded_grid(tmp_p
                               str(out)]) == 2  # needs the sweep's grid
 
 
-def test_step_trace_times_every_step_in_parts_and_puts_the_engine_back(tiny_pair):
-    """`benchmarks/step_trace.py` (policy_overhead.py --trace): one row per engine step that ran, whose parts
-    fit inside its total; the adaptive policy's own calls timed; on exit the engine, runner and policy are
-    exactly as before (the sweeps reuse them); a trace compared with itself is aligned and differs by nothing."""
-    from step_trace import FIELDS, StepTrace, compare, stalls, totals
-
-    spec = {"method": "eagle3", "model": tiny_pair["peagle"], "num_speculative_tokens": 3, "parallel_drafting": True,
-            "depth_policy": "adaptive"}
-    llm = LLM(tiny_pair["target"], device="cpu", max_num_seqs=4, speculative_config=spec)
-    engine, policy = llm.engine, llm.engine.policy
-    steps = engine.num_steps
-    with StepTrace(engine) as trace:
-        llm.generate([[1, 2, 3], list(range(10, 40))], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    rows = trace.rows
-    assert len(rows) == engine.num_steps - steps > 0
-    assert any(r["decode"] for r in rows) and not all(r["decode"] for r in rows)  # decode and prompt-chunk steps
-    for r in rows:
-        parts = sum(r.get(f, 0.0) for f in ("choose", "launch", "learn", "wait", "observe"))
-        assert 0 < parts <= r["total"] + 1e-6 and r["choose"] > 0 and r["observe"] > 0
-    assert "step" not in engine.__dict__ and "execute" not in engine.runner.__dict__
-    assert "_to_host" not in engine.runner.__dict__ and not {"choose", "observe", "learn"} & set(policy.__dict__)
-    same = compare(rows, rows)
-    assert same["aligned"] and all(same["all"][f] == 0 for f in FIELDS) and same["median_diff_ms"] == 0
-    assert totals(rows)["steps"] == len(rows) and stalls(rows, ms=1e9) == []
-    assert len(stalls(rows, ms=0.0)) == len(rows)
-
-
 class _CountingEngine:
-    """What `run_switchback` drives: every in-flight request emits one token a step and finishes at its length;
+    """What `run_paired` and `run_level` drive: every in-flight request emits one token a step and finishes at its length;
     each step records the policy that ran it."""
 
     def __init__(self):
@@ -463,28 +416,6 @@ class _CountingEngine:
     def abort(self, request_id):
         self.aborted.append(request_id)
         self.live.pop(request_id)
-
-
-def test_switchback_takes_turns_and_charges_each_policy_its_own_turns():
-    """The policies take turns of `slice_steps` steps (each policy once a cycle, in an order drawn afresh each
-    cycle, so no policy always follows the same one), C requests stay in flight (a finished one replaced at
-    once), each policy is charged its turns' tokens less each turn's burn-in steps, and what is still in flight
-    at the end is aborted."""
-    engine = _CountingEngine()
-    policies = {"K1": "p1", "K3": "p3", "adaptive": "pa"}
-    got = S.run_switchback(engine, policies, [[5, 6]], C=3, slice_steps=4, cycles=8, max_tokens=6, seed=0,
-                           burn_in=1)
-    turns = [engine.ran[i] for i in range(0, len(engine.ran), 4)]
-    assert all(sorted(turns[i:i + 3]) == ["p1", "p3", "pa"] for i in range(0, len(turns), 3))
-    before = {p: {a for a, b in zip(turns, turns[1:]) if b == p and a != p} for p in policies.values()}
-    assert all(len(prev) == 2 for prev in before.values()), before  # each policy followed both others
-    assert all(engine.ran[i:i + 4] == [engine.ran[i]] * 4 for i in range(0, len(engine.ran), 4))
-    for name in policies:
-        assert got[name]["steps"] == 8 * (4 - 1)
-        assert got[name]["tokens"] == 3 * 8 * (4 - 1)  # three requests in flight at every step, one token each
-        assert got[name]["seconds"] > 0 and got[name]["host_seconds"] <= got[name]["seconds"]
-    assert len(engine.aborted) == 3 and not engine.live
-
 
 def test_a_level_reports_the_collectors_pauses_and_the_paired_cells_add_them_up():
     """A full collection stalls a whole step (175-212 ms on the H200 probes before the engine froze its heap): each
@@ -548,47 +479,30 @@ def test_a_restarted_replay_gives_the_next_requests_the_same_traces_again():
     assert replay.run_length("c0") == first[2]
 
 
-@pytest.mark.parametrize("mode", ["switchback", "paired"])
-def test_a_sweep_measuring_a_levels_policies_together_builds_one_engine_a_round_and_a_cell_per_policy(
-        tmp_path, capsys, mode):
-    """--switchback (turns of steps) and --paired (episodes of one workload): one engine a round shared by the
-    policies, one cell per policy, level and round, and the report says how it was measured. Paired cells give
-    every policy of a round the same tokens and a TPOT; turns give none."""
-    flags = {"switchback": ["--switchback", "5", "--switchback-cycles", "2"],
-             "paired": ["--paired", "2", "--waves", "2"]}
-    out = tmp_path / mode
+def test_a_paired_sweep_builds_one_engine_a_round_and_a_cell_per_policy(tmp_path, capsys):
+    """--paired (episodes of one workload): one engine a round shared by the policies, one cell per policy, level and
+    round, every policy of a round given the same tokens and a TPOT, and the report says how it was measured."""
+    out = tmp_path / "paired"
     rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
                  "--max-tokens", "8", "--prompt-len", "8", "--policies", "K1,K3,adaptive", "--rounds", "2",
-                 *flags[mode], "--warmup-steps", "3", "--out", str(out)])
+                 "--paired", "2", "--waves", "2", "--warmup-steps", "3", "--out", str(out)])
     assert rc == 0
     err = capsys.readouterr().err
-    assert err.count(f"{mode} engine built") == 2 and "engine built in" not in err
+    assert err.count("paired engine built") == 2 and "engine built in" not in err
     res = json.loads((out / "sweep.json").read_text())
     assert res["shared_engine"] is True
-    assert res[mode] == ({"slice_steps": 5, "cycles": 2, "burn_in": 2} if mode == "switchback"
-                         else {"episodes": 2, "waves": 2, "min_requests": 0})
+    assert res["paired"] == {"episodes": 2, "waves": 2, "min_requests": 0}
     by = {(c["policy"], c["round"]): c for c in res["cells_by_round"]}
     assert set(by) == {(p, r) for p in ("K1", "K3", "adaptive") for r in (0, 1)}
     for c in by.values():
         assert c["K"] == 3 and c["throughput_tok_s"] == pytest.approx(c["output_tokens"] / c["wall_s"])
-        if mode == "switchback":
-            assert c["steps"] == 2 * (5 - 2) and c["tpot_ms_mean"] is None
-        else:
-            assert c["requests"] == 2 * 2 * 2 and c["tpot_ms_mean"] > 0
-    if mode == "paired":
-        for r in (0, 1):  # the same workload for every policy of a round
-            assert len({c["output_tokens"] for c in by.values() if c["round"] == r}) == 1
+        assert c["requests"] == 2 * 2 * 2 and c["tpot_ms_mean"] > 0
+    for r in (0, 1):  # the same workload for every policy of a round
+        assert len({c["output_tokens"] for c in by.values() if c["round"] == r}) == 1
     assert by[("K1", 0)]["mean_k"] == 1.0
     md = (out / "sweep.md").read_text()
-    says = "Switchback: at each level the policies took turns of 5 steps" if mode == "switchback" else \
-        "Paired episodes: at each level"
-    assert says in md and "Paired by round" in md
-    bad = {"switchback": [(["--switchback", "2"], "more than 2 steps a turn"),
-                          (["--switchback", "4", "--resume"], "cannot resume")],
-           "paired": [(["--paired", "2", "--switchback", "4"], "give one"), (["--paired", "2", "--resume"],
-                                                                              "cannot resume")]}
-    for args, message in bad[mode]:
-        rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
-                     "--policies", "K1,adaptive", *args, "--out", str(tmp_path / "bad")])
-        err = capsys.readouterr().err
-        assert rc != 0 and message in err and "engine built" not in err
+    assert "Paired episodes: at each level" in md and "Paired by round" in md
+    rc = S.main(["sweep", "--shape", "random-tiny", "--replay", "synthetic:0.9", "--concurrency", "2",
+                 "--policies", "K1,adaptive", "--paired", "2", "--resume", "--out", str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "cannot resume" in err and "engine built" not in err

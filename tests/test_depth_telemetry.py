@@ -13,7 +13,7 @@ from peagle_cluster.replica import EngineServer
 from peagle_cluster.settings import parse_app_args
 from peagle_cluster.telemetry import ReplicaMetrics, finished_spans, speculation_span_attributes
 from peagle_core import LLM, SamplingParams
-from peagle_core.spec.depth import DepthPolicy, StepInfo, StepOutcome
+from peagle_core.depth.policy import DepthPolicy, StepInfo, StepOutcome
 
 
 class Cycle(DepthPolicy):

@@ -215,15 +215,14 @@ def test_bad_requests_and_configs(tiny_pair, tmp_path):
 
 @pytest.mark.parametrize("start,end", [(0, 1), (5, 6), (14, 40), (16, 48), (60, 70), (64, 66), (70, 75)])
 def test_host_slots_equal_the_device_rule(start, end):
-    """The host's slots (a run per block) equal ModelRunner.slots' per-token rule, -1 from max_model_len on."""
-    from types import SimpleNamespace
-
-    from peagle_core.engine.model_runner import ModelRunner, host_slots
+    """The host's slots (a run per block) equal the drafter's per-token rule on the device, -1 from max_model_len
+    on."""
+    from peagle_core.engine.drafting import cache_slots
+    from peagle_core.engine.model_runner import host_slots
 
     table = [7, 2, 9, 4, 11]  # 5 blocks of 16 cover positions 0..79; max_model_len 64 stops writes at 64
-    runner = SimpleNamespace(block_size=16, max_model_len=64)
     p = torch.arange(start, end)
-    want = ModelRunner.slots(runner, p, torch.zeros_like(p), torch.tensor([table]))
+    want = cache_slots(p, torch.zeros_like(p), torch.tensor([table]), 16, 64)
     assert host_slots(table, start, end, 16, 64) == want.tolist()
 
 
@@ -262,16 +261,9 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     from peagle_core.engine.output import TextState
 
     assert not hasattr(TextState.update, "__wrapped__")  # the class's method is unwrapped again
-    assert "learn_us_per_step" not in r  # a CPU runner is never busy: the policy learns inside observe
-    busy = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256, device_busy=True)
-    assert busy["learn_us_per_step"] > 0  # --device-busy: learn ran inside execute, as while a GPU works
-    never = host_time.measure(requests=3, max_tokens=12, policy="adaptive", k=3, max_model_len=256, device_busy=True,
-                              busy_share=0.0)
-    assert "learn_us_per_step" not in never  # --busy-share 0: the device done first after every launch
     # --closed-loop: finished requests replaced, so it runs the steps asked for, past the first requests' end
     loop = host_time.measure(requests=2, max_tokens=4, policy="adaptive", k=3, max_model_len=256, closed_loop=12)
-    assert loop["steps"] == 12 and loop["closed_loop"] and loop["choices_ranked"] >= 1  # the first had no ranking
-    assert loop["choose_us_median"]["ranked"] > 0  # and its time is counted with those that ranked
+    assert loop["steps"] == 12 and loop["closed_loop"]
 
 
 class _Cycle:
@@ -285,7 +277,7 @@ def test_start_up_freezes_the_heap_a_dropped_engine_is_freed_and_frozen_cycles_a
     import gc
     import weakref
 
-    from peagle_core.engine.llm_engine import reclaim_dropped_engines
+    from peagle_core.engine.memory import reclaim_dropped_engines
 
     engine = LLM(tiny_pair["target"], device="cpu").engine
     # what start-up built is out of the collector's walks: a full collection no longer visits it
@@ -313,16 +305,3 @@ def test_start_up_freezes_the_heap_a_dropped_engine_is_freed_and_frozen_cycles_a
     assert gc.get_freeze_count() > 0
     second.shutdown()
     assert gc.get_freeze_count() == 0  # a shut-down engine is the collector's again
-
-
-def test_gc_pauses_benchmark_sees_the_frozen_heap_untracked_and_the_unfrozen_one_walked():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import gc_pauses
-
-    frozen, unfrozen = (gc_pauses.serve(v, requests=2, steps=3, max_tokens=4, k=3) for v in ("frozen", "unfrozen"))
-    assert frozen["steps"] == unfrozen["steps"] == 3
-    # the engine's start-up objects: out of the collector's walks with the freeze, all of them in it without
-    assert 100 * frozen["tracked_objects"] < unfrozen["tracked_objects"]

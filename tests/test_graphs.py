@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from peagle_core import LLM, SamplingParams
+from peagle_core.engine.drafting import cache_slots
 from peagle_core.engine.graphs import GraphRunner, GraphSet, HostForward, graph_buckets, is_uniform_decode, make_graph_runner, token_buckets
 from peagle_core.engine.request import Request
 from peagle_core.engine.scheduler import Scheduled
@@ -175,9 +176,9 @@ def uniform_batch(runner, computed: list[int], q: int | list[int], seed: int = 0
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, qs.tolist())])
     block_tables = torch.arange(4 * B).view(B, 4)
     req = torch.arange(B).repeat_interleave(qs)
+    slots = cache_slots(positions, req, block_tables, runner.block_size, runner.max_model_len)
     meta = ForwardMeta(positions=positions, query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), qs.cumsum(0)]),
-                       seq_lens=torch.tensor(computed) + qs, slot_mapping=runner.slots(positions, req, block_tables),
-                       block_tables=block_tables)
+                       seq_lens=torch.tensor(computed) + qs, slot_mapping=slots, block_tables=block_tables)
     return torch.randint(0, 250, (positions.shape[0],), generator=g), meta
 
 
@@ -516,10 +517,10 @@ def test_triton_kernels_with_graphs_give_the_reference_greedy_tokens(mode, k):
 def test_live_steps_compile_no_new_triton_variants_whatever_their_sizes(tiny_pair, reference):
     """Prompt chunks (mixed steps) and the verify's sampling run their Triton kernels outside the graphs, at
     sizes and buffer offsets that change step by step. A kernel specialised on those compiled a new variant in
-    the middle of a run, 0.1-0.4 s each on an H200 (docs/adaptive_log.md); now none compiles more than one variant
+    the middle of a run, 0.1-0.4 s each on an H200; now none compiles more than one variant
     in such a run, a sampled request at its end included."""
     from peagle_kernels.dispatch import compiled_variants
-    from peagle_core.spec.depth import DepthPolicy
+    from peagle_core.depth.policy import DepthPolicy
 
     class Cycle(DepthPolicy):  # every depth 0..K in turn: every draft count in mixed and decode steps
         i = 0

@@ -378,7 +378,7 @@ def test_tp2_cuda_graphs_give_tp1_greedy_tokens():
     """The shipped pair in fp32 on two GPUs, P-EAGLE K=7: TP=2 with the target's CUDA graphs captured and replayed
     on both ranks in lockstep (NCCL all-reduces inside the graphs) gives TP=1's greedy tokens, as TP=2 eager does.
     (A trained model: its greedy margins are real, so fp32 all-reduce rounding cannot flip a token.) About 40 s
-    an engine on an H200 pair (`benchmarks/tp_graphs_check.py` times the parts)."""
+    an engine on an H200 pair."""
     prompts = ["def fibonacci(n):", "The capital of France is", "Write a short poem about the sea."]
     sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     spec_cfg = {"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": 7, "parallel_drafting": True}

@@ -45,19 +45,16 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
-import weakref
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol
+from typing import Callable, ContextManager, Iterable, Protocol
 
 import torch
 
 from peagle_kernels.dispatch import use_triton
+from peagle_core.engine.drafting import Proposer
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.models.layers import ForwardMeta
-
-if TYPE_CHECKING:
-    from peagle_core.engine.model_runner import ModelRunner
 
 # (input ids [T], hidden [T, H] or None, meta) -> outputs (a None output stays None)
 Forward = Callable[[torch.Tensor, torch.Tensor | None, ForwardMeta], tuple[torch.Tensor | None, ...]]
@@ -167,9 +164,8 @@ class GraphSet:
     runs at a time, and a key's graph reads only its own stretch. A staged set (rank 0's target) keeps a pinned
     twin of that buffer: the host writes a step's lists into it (`run_host`) and the graph's first node copies the
     key's stretch in (block tables at full width: at bs 64 and 32k tokens a 1 MB copy, tens of microseconds of a
-    ~13 ms 20B-shape step), so before the launch the host makes no CUDA call at all. (On the lent H200's virtual machines
-    each CUDA call cost the host 10-20 us, and the step's upload and the copies into these buffers 140-290 us
-    before the device had anything to run: docs/benchmarks/ab_uploads.md.) Other sets load device tensors (`run`):
+    ~13 ms 20B-shape step), so before the launch the host makes no CUDA call at all (each costs the host 10-20 us
+    on a virtual machine, while the device waits). Other sets load device tensors (`run`):
     the drafter's (inputs made on the device) and the tensor-parallel workers' (broadcast from rank 0)."""
 
     def __init__(self, name: str, forward: Forward, buckets: list[int], max_tokens_per_seq: int,
@@ -263,7 +259,7 @@ class GraphSet:
         if self.staged:
             self._write(HostForward([], [], [0], [], [], []), key)
         else:
-            self._pad(0, 0, num_seqs, num_tokens)
+            self.clear(key)
         if self.mirror is not None:
             self.mirror.capture(key)  # the workers' warm-ups and captures meet rank 0's in every all-reduce
         self.graphs[key] = capture_graph(lambda: self._forward(num_seqs, num_tokens), self.pool,
@@ -315,6 +311,10 @@ class GraphSet:
             self.hidden[:T].copy_(hidden)  # padded rows keep stale (finite) values; rows never mix
         self._pad(B, T, num_seqs, num_tokens)
 
+    def clear(self, key: Key) -> None:
+        """Key `key`'s device buffers hold dummies only, no step (before a capture that reads them)."""
+        self._pad(0, 0, *key)
+
     def _pad(self, B: int, T: int, num_seqs: int, num_tokens: int) -> None:
         """Requests B..num_seqs-1 become dummies sharing tokens T..num_tokens-1 (`dummy_step`): position 0, no
         K/V write, no keys to read."""
@@ -365,7 +365,7 @@ class DraftSteps:
     captures the n a depth policy may ask for up front (K for fixed depth; 1..K when the depth varies, as a
     step verifying k may draft any n for the next); any other n is captured at its first use by `ensure`,
     which runs before the target's inputs are loaded because a capture pads the target's buffers with
-    dummies. Dummy requests (seq_len 0) write no K/V and read none (`ModelRunner.draft`).
+    dummies. Dummy requests (seq_len 0) write no K/V and read none (`drafting.Proposer.propose`).
     """
 
     def __init__(self, target: GraphSet, step: DraftStep, max_drafts: int, device: torch.device, capture: bool,
@@ -407,7 +407,7 @@ class DraftSteps:
 
     def capture_one(self, gkey: tuple[int, int, int]) -> None:
         num_seqs, num_tokens, n = gkey
-        self.target._pad(0, 0, num_seqs, num_tokens)  # all dummies: the buffers must hold no step now
+        self.target.clear((num_seqs, num_tokens))
         self.graphs[gkey] = capture_graph(lambda: self._step(num_seqs, num_tokens, n), self.pool,
                                           f"the drafter step ({num_seqs} requests, {num_tokens} target tokens, "
                                           f"{n} drafts)")
@@ -419,10 +419,20 @@ class DraftSteps:
                                                    self.next_ids[:num_seqs], self.num_rejected[:num_seqs], n))
 
 
-class GraphRunner:
-    """A ModelRunner's graphs: the target's verify forward, the drafter's steps and forwards, one memory pool."""
+class StepModels(Protocol):
+    """What the graphs capture (a `ModelRunner` is one): the target, the drafter's step, and the cache's shape."""
+    target: Callable
+    proposer: Proposer | None
+    K: int
+    max_model_len: int
+    block_size: int
+    device: torch.device
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, capture: bool = True,
+
+class GraphRunner:
+    """A runner's graphs: the target's verify forward, the drafter's steps and forwards, one memory pool."""
+
+    def __init__(self, runner: StepModels, max_num_seqs: int, capture: bool = True,
                  max_num_batched_tokens: int | None = None, mirror: Mirror | None = None):
         dev = runner.device
         if capture and not graphs_supported(dev, enforce_eager=False):
@@ -441,19 +451,19 @@ class GraphRunner:
                                        budget, dev, capture, self.pool, mirror, staged=True)
         self.drafter: GraphSet | None = None
         self.draft_steps: DraftSteps | None = None
-        if runner.drafter is not None:
-            d = runner.drafter
+        proposer = runner.proposer
+        if proposer is not None:
+            d = proposer.drafter
             # Decode steps draft inside `draft_steps`; the drafter's own decode graphs serve only EAGLE-3's extra
             # passes in mixed steps (one slot a request). P-EAGLE needs none.
-            self.draft_lens = range(1, 2) if runner.mode == "eagle3" else range(0)
-            masks = max_num_seqs * (K - 1) if runner.mode == "peagle" else 0
+            self.draft_lens = range(1, 2) if proposer.mode == "eagle3" else range(0)
+            masks = max_num_seqs * (K - 1) if proposer.mode == "peagle" else 0
             self.drafter = GraphSet("drafter", lambda ids, h, meta: d(ids, h, meta), self.buckets, len(self.draft_lens),
                                     mixed(masks), max_blocks, (d.config.hidden_size, d.fc.weight.dtype), dev,
                                     capture, self.pool)
-            draft = weakref.WeakMethod(runner.draft)  # no cycle through the runner (see above)
-            plain = lambda model, ids, h, meta, uniform: model(ids, h, meta)  # inside the graph: no nested replay
-            self.draft_steps = DraftSteps(self.target, lambda ids, aux, meta, nxt, rej, n: draft()(
-                ids, aux, meta, nxt, rej, n, True, plain), K, dev, capture, self.pool)
+            # inside the graph the drafter's forwards run plainly (no nested replay)
+            self.draft_steps = DraftSteps(self.target, lambda ids, aux, meta, nxt, rej, n: proposer.propose(
+                ids, aux, meta, nxt, rej, n, True), K, dev, capture, self.pool)
 
     def sets(self) -> list[GraphSet]:
         return [s for s in (self.target, self.drafter) if s is not None]
@@ -502,7 +512,7 @@ def target_graph_set(target: Callable, max_num_seqs: int, K: int, max_model_len:
                     capture, pool, mirror, staged)
 
 
-def make_graph_runner(runner: ModelRunner, max_num_seqs: int, enforce_eager: bool,
+def make_graph_runner(runner: StepModels, max_num_seqs: int, enforce_eager: bool,
                       max_num_batched_tokens: int | None = None, draft_depths: Iterable[int] | None = None,
                       mirror: Mirror | None = None) -> GraphRunner | None:
     """Captured graphs where they work (CUDA, Triton kernels), else None (eager). `draft_depths`: see

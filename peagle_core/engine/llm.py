@@ -10,7 +10,7 @@ from peagle_core.engine.llm_engine import LLMEngine
 from peagle_core.engine.request import Request
 from peagle_core.engine.types import CompletionOutput, RequestOutput, SamplingParams
 from peagle_core.loading.tokenizer import stop_length_at, stop_string_match
-from peagle_core.spec.depth import DepthPolicy
+from peagle_core.depth.policy import DepthPolicy
 
 
 class LLM:

@@ -11,6 +11,7 @@ import torch
 from peagle_core.config import EngineConfig
 from peagle_core.engine.block_manager import BlockManager
 from peagle_core.engine.graphs import graphs_supported, make_graph_runner
+from peagle_core.engine.memory import cache_bytes_per_block, freeze_heap, kv_budget_bytes, reclaim_dropped_engines
 from peagle_core.engine.model_runner import ModelRunner, check_sampling_setup
 from peagle_core.engine.output import TextState
 from peagle_core.engine.request import Request, Status
@@ -19,7 +20,7 @@ from peagle_core.engine.tp import GraphLayout, TPError, start_tensor_parallel
 from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 from peagle_core.loading.checkpoint import DTYPES, load_drafter, load_target
 from peagle_core.loading.hub import resolve
-from peagle_core.spec.depth import DepthPolicy, FixedDepth, StepInfo, StepOutcome
+from peagle_core.depth.policy import DepthPolicy, FixedDepth, StepInfo, StepOutcome
 
 
 class StepError(RuntimeError):
@@ -46,41 +47,6 @@ def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
         raise ValueError("device='cuda' was requested but no CUDA device is available")
     name = cfg.dtype if cfg.dtype not in (None, "auto") else ("bfloat16" if device.type == "cuda" else "float32")
     return device, DTYPES[name]
-
-
-def kv_budget_bytes(cfg: EngineConfig, device: torch.device) -> float:
-    """Bytes this device may give the KV cache (every tensor-parallel rank asks for its own)."""
-    if cfg.kv_cache_memory_gb:
-        return cfg.kv_cache_memory_gb * 2**30
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return free - (1 - cfg.gpu_memory_utilization) * total
-    return 2 * 2**30
-
-
-def reclaim_dropped_engines() -> None:
-    """Collect what engines dropped since the last start-up left, before a CUDA engine loads weights and sizes its KV
-    cache from the free memory. Their start-up froze them (`freeze_heap`), so a reference cycle among their objects
-    would never be collected, and the device memory behind it would stay taken (none is known: the graph runner
-    keeps no reference to its runner for this reason; this is the safety net for a process that builds engine after
-    engine, like the benchmarks' rounds). Not on a CPU: a test checks that reference counting frees a dropped CPU
-    engine, frozen or not, and unfreezing at every start-up makes each start-up's collection walk the whole heap
-    again (two test files 34.9 s against 20.1 s without a freeze; docs/adaptive_log.md)."""
-    if not gc.get_freeze_count():
-        return
-    gc.unfreeze()
-    gc.collect()
-    torch.cuda.empty_cache()  # the allocator's cached blocks count as used in the free memory the budget reads
-
-
-def freeze_heap() -> None:
-    """Move every object alive after start-up (weights' modules, tokenizer tables, graphs' bookkeeping: ~300 k on
-    the tiny pair) into the collector's permanent generation, after one last collection. A full collection walks
-    every tracked object: 110-130 ms on this project's CPU; on the H200 host a single step stalled 175-212 ms, about
-    once in 2000 steps at 64 requests (policy_overhead_*_c64.json; vLLM freezes after start-up for the same reason).
-    After the freeze it walks only what serving made since (one full collection: 0.05 ms, gc_pauses_cpu.json)."""
-    gc.collect()
-    gc.freeze()
 
 
 def load_tokenizer(path: Path):
@@ -160,16 +126,15 @@ class LLMEngine:
         if self.mode == "none" or spec.policy == "fixed":
             return FixedDepth(self.K)
         if spec.policy != "adaptive":  # vLLM's batch-size table or SGLang-like EMA tiers
-            from peagle_core.spec.baselines import from_config
+            from peagle_core.depth.baselines import from_config
 
             return from_config(spec)
-        from peagle_core.spec.adaptive import AdaptiveDepth, StepTimeModel, profile_step_grid
+        from peagle_core.depth.adaptive import AdaptiveDepth, StepTimeModel
+        from peagle_core.engine.profile import profile, profile_step_grid
 
         try:  # whole verify steps per batch bucket and k (nothing is in the KV cache yet)
             times = profile_step_grid(self.runner, self.config.max_num_seqs, self.K)
         except ValueError:  # a KV cache too small for the grid's synthetic requests: the token-count profile
-            from peagle_core.engine.profile import profile
-
             points, draft = profile(self.runner, self.config.max_num_seqs * (self.K + 1))
             times = StepTimeModel(points, draft_pass=draft, per_k_draft=self.mode == "eagle3")
         return AdaptiveDepth(self.K, times, k_min=spec.min_num_speculative_tokens, flat_draft=self.mode == "peagle")
@@ -178,9 +143,9 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_gpu_blocks:
             return cfg.num_gpu_blocks
-        per_block = ModelRunner.cache_bytes_per_block(self.target, cfg.block_size, self.dtype)
+        per_block = cache_bytes_per_block(self.target, cfg.block_size, self.dtype)
         if self.drafter is not None:
-            per_block += ModelRunner.cache_bytes_per_block(self.drafter, cfg.block_size, self.dtype)
+            per_block += cache_bytes_per_block(self.drafter, cfg.block_size, self.dtype)
         useful = cfg.max_num_seqs * -(-(self.max_model_len + self.K) // cfg.block_size) + 1
         n = min(useful, int(kv_budget_bytes(cfg, self.device) // per_block))
         if n < 1:
@@ -286,8 +251,7 @@ class LLMEngine:
         num_graphs = graphs.num_graphs if graphs is not None else 0
         t0 = time.perf_counter()
         try:
-            # the depth the policy wants next; the policy learns from the last step while the device runs this one
-            result = self.runner.execute(batch, draft_len=draft, while_busy=self.policy.learn)
+            result = self.runner.execute(batch, draft_len=draft)  # drafting the depth the policy wants next
         except Exception as e:
             # A request whose own sampling values cannot be set up fails alone: nothing was computed for the
             # others that a step cannot redo, and the next step schedules them again. Any other failure touched

@@ -1,11 +1,11 @@
 """One engine step on the device: target forward, verification, drafting.
 
-The step reads like the method (DESIGN.md, "One engine step"):
+`ModelRunner.execute` owns the step, which reads like the method (DESIGN.md, "One engine step"):
   1. target forward over every request's `[uncomputed tokens, drafts[:k]]`, keeping the aux hidden states;
   2. accept/reject the drafts against the target (greedy or rejection sampling) and pick the bonus token;
   3. rejected K/V need no work: the request's length rolls back and later writes overwrite them;
-  4. drafter: P-EAGLE runs ONE forward over `[accepted, bonus, MASK x (K-1)]` and reads K drafts;
-     EAGLE-3 runs one forward over `[accepted, bonus]`, then K-1 single-token passes feeding itself back;
+  4. drafter (`drafting.Proposer`): P-EAGLE runs ONE forward over `[accepted, bonus, MASK x (K-1)]` and reads K
+     drafts; EAGLE-3 runs one forward over `[accepted, bonus]`, then K-1 single-token passes feeding itself back;
      a step asked for no drafts skips it and keeps its inputs for the next step that drafts (`_catch_up`);
   5. one device-to-host copy brings back emitted tokens and drafts for the scheduler.
 """
@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import array
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from peagle_kernels.dispatch import use_triton
-from peagle_kernels.draft_inputs import fill_hidden, prepare_draft_inputs
 from peagle_kernels.sampling import rejection_sample
+from peagle_core.engine.drafting import Proposer
 from peagle_core.engine.logits_processors import needs_processing, process_logits
 from peagle_core.engine.logprobs import emitted_logprobs, host_logprobs
 from peagle_core.engine.graphs import GraphRunner, HostForward, is_uniform_decode
+from peagle_core.engine.memory import bind_kv_cache
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.engine.types import SamplingParams
 from peagle_core.engine.uploads import Uploader
@@ -32,7 +32,7 @@ from peagle_core.models.layers import ForwardMeta, pack_qkv
 
 
 def host_slots(block_table: list[int], start: int, end: int, block_size: int, max_model_len: int) -> list[int]:
-    """`ModelRunner.slots` on the host for positions start..end-1 of one request: one contiguous run per
+    """`drafting.cache_slots` on the host for positions start..end-1 of one request: one contiguous run per
     block (a prefill chunk costs a Python step per block, not per token); -1 past max_model_len."""
     out, p, stop = [], start, min(end, max_model_len)
     while p < stop:
@@ -114,78 +114,58 @@ class ModelRunner:
             if model is not None:
                 pack_qkv(model)
         self.block_size, self.max_model_len, self.device, self.vocab_size = block_size, max_model_len, device, vocab_size
-        self.target_cache = self._bind_cache(target, num_blocks, dtype)
-        self.drafter_cache = self._bind_cache(drafter, num_blocks, dtype) if drafter is not None else None
-        self.shared_hidden = None
+        self.target_cache = bind_kv_cache(target, num_blocks, block_size, dtype, device)
+        self.drafter_cache = bind_kv_cache(drafter, num_blocks, block_size, dtype, device) if drafter is not None \
+            else None
+        self.proposer = None
         if drafter is not None:
             target.set_aux_layers(drafter.config.resolved_aux_layer_ids(target.config.num_hidden_layers))
-            if mode == "peagle":
-                with torch.no_grad():
-                    self.shared_hidden = drafter.shared_hidden()  # fc(mask_hidden), projected once
-                self.mask_token_id = drafter.config.mask_token_id
+            self.proposer = Proposer(drafter, mode, block_size, max_model_len, device)
         self.global_generator = torch.Generator(device=device).manual_seed(0)
         self.graphs: GraphRunner | None = None  # CUDA graphs (the engine sets them)
         self.uploads = Uploader(device)
 
-    def _bind_cache(self, model, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
-        layers = model.attention_layers()
-        a = layers[0]
-        cache = torch.zeros(2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                            dtype=dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.kv_cache = (cache[0, i], cache[1, i])
-        return cache
-
-    @staticmethod
-    def cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-        layers = model.attention_layers()
-        return 2 * len(layers) * block_size * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
-
     # ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], draft_len: int | None = None,
-                while_busy: Callable[[Callable[[], bool]], None] | None = None) -> StepResult:
-        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify.
-        `while_busy` runs once everything is launched, before the step waits for the device, if the device is
-        still working on the step (`_device_busy`, which it is given to tell when the device is done)."""
+    def execute(self, batch: list[Scheduled], draft_len: int | None = None) -> StepResult:
+        """Run one step; the drafter proposes `draft_len` tokens (default K) for the next step to verify."""
         host = self._host_inputs(batch)
-        B, T = len(batch), len(host.forward.input_ids)
-        # A decode step (no prefill, one k) replays the target's decode graph; its drafter step then replays too.
-        uniform = is_uniform_decode(batch)
+        uniform = is_uniform_decode(batch)  # one k, no prefill: the target's decode graph, then the drafter's
         width = max(map(len, host.forward.block_tables))
-        key = self.graphs.target.key(B, T, uniform, width) if self.graphs is not None else None
-        n = self.K if draft_len is None else min(self.K, max(0, draft_len))
-        if n == 0 and any(s.num_drafts for s in batch):
-            n = 1  # a step drafts nothing only when it verifies nothing: its positions are then all real tokens
+        key = self.graphs.target.key(len(batch), len(host.forward.input_ids), uniform, width) \
+            if self.graphs is not None else None
+        n = self._num_drafts(batch, draft_len)
         if n and key is not None and self.graphs.draft_steps is not None:
             self.graphs.draft_steps.ensure(key, n)  # a first capture pads the target's buffers: before they load
-        if key is not None:
-            # the graph copies its inputs in itself: until its launch the host makes no CUDA call
-            hidden, aux = self.graphs.target.run_host(host.forward, key)
-            views = self.graphs.target.views(key)
-            input_ids, meta = views.input_ids[:T], views.meta(B, T)
-            inp, _ = self._upload(host, None)  # behind the launch: the device is busy with the graph meanwhile
-        else:
-            inp, (input_ids, meta) = self._upload(host, width)
-            hidden, aux = self.target(input_ids, meta)
-
+        inp, input_ids, meta, hidden, aux = self._target_forward(host, key, width)
         tokens, num_accepted, next_ids, lps = self._verify(batch, hidden, inp)
         drafts = None
         if self.drafter is not None and n == 0:
-            self._fall_behind(batch, aux, host.forward.query_start_loc, T)
+            self._fall_behind(batch, aux, host.forward.query_start_loc, len(host.forward.input_ids))
         elif self.drafter is not None:
             self._catch_up([s.req for s in batch])
             drafts = self._draft(key, uniform, input_ids, aux, meta, next_ids, inp.num_drafts - num_accepted, n)
-        if while_busy is not None and self._device_busy():
-            while_busy(self._device_busy)
         return self._to_host(batch, tokens, num_accepted, drafts, lps)
 
-    def _device_busy(self) -> bool:
-        """Whether the step's work is still queued on the device (a host-bound step, e.g. the tiny pair's steps
-        with prompt chunks on an H200, has the device done before its last launch): work moved into that window
-        is free only then. Never on a CPU, where everything ran synchronously."""
-        return self.device.type == "cuda" and not torch.cuda.current_stream(self.device).query()
+    def _num_drafts(self, batch: list[Scheduled], draft_len: int | None) -> int:
+        n = self.K if draft_len is None else min(self.K, max(0, draft_len))
+        # a step drafts nothing only when it verifies nothing: its positions are then all real tokens
+        return 1 if n == 0 and any(s.num_drafts for s in batch) else n
+
+    def _target_forward(self, host: HostStep, key, width: int):
+        """The target over the step's tokens, and the verification inputs on the device: a graph replay that
+        copies its inputs in itself (the host makes no CUDA call before its launch; the verification inputs
+        upload behind it), else one upload and an eager forward."""
+        if key is None:
+            inp, (input_ids, meta) = self._upload(host, width)
+            hidden, aux = self.target(input_ids, meta)
+            return inp, input_ids, meta, hidden, aux
+        B, T = len(host.forward.seq_lens), len(host.forward.input_ids)
+        hidden, aux = self.graphs.target.run_host(host.forward, key)
+        views = self.graphs.target.views(key)
+        inp, _ = self._upload(host, None)
+        return inp, views.input_ids[:T], views.meta(B, T), hidden, aux
 
     def _host_inputs(self, batch: list[Scheduled]) -> HostStep:
         """The step's metadata as host lists."""
@@ -349,61 +329,8 @@ class ModelRunner:
         steps = self.graphs.draft_steps if key is not None else None
         drafts = steps.run(key, n, next_ids, num_rejected) if steps is not None else None  # None: not covered
         if drafts is None:
-            drafts = self.draft(input_ids, aux, meta, next_ids, num_rejected, n, uniform, self._forward)
+            drafts = self.proposer.propose(input_ids, aux, meta, next_ids, num_rejected, n, uniform, self._forward)
         return drafts
-
-    def draft(self, input_ids, aux, meta: ForwardMeta, next_ids, num_rejected, n: int, uniform: bool,
-              forward) -> torch.Tensor:
-        """The drafter's step after verification: `n` drafts per request [B, n], from the target's step inputs
-        (`meta`), its aux hidden states, the next token and the rejected-draft count of each request.
-
-        `forward(drafter, ids, hidden, meta, uniform)` runs a drafter forward (`uniform`: a decode step's shape).
-        The whole step is also captured as one graph behind the target's decode graphs (`graphs.DraftSteps`),
-        where dummy requests (seq_len 0) pad the batch: they must write no K/V (their block-table rows are
-        stale) and read none."""
-        dev, B, drafter = self.device, meta.seq_lens.shape[0], self.drafter
-        live = meta.seq_lens > 0
-        num_rejected = num_rejected * live  # a dummy's stale count could exceed its tokens
-        # P-EAGLE drafts all n in one pass; EAGLE-3's first pass has only the bonus slot.
-        P = n if self.mode == "peagle" else 1
-        mask_id = self.mask_token_id if self.mode == "peagle" else 0
-        qsl = meta.query_start_loc
-        d_ids, d_pos, is_rejected, is_masked, sample_idx, hidden_map = prepare_draft_inputs(
-            input_ids, meta.positions, next_ids, qsl, num_rejected, mask_id, P)
-        target_h = drafter.combine(aux)
-        shared = self.shared_hidden if self.shared_hidden is not None else torch.zeros_like(target_h[0])
-        hidden = fill_hidden(target_h, hidden_map, is_masked, shared)
-        d_qsl = qsl + torch.arange(B + 1, device=dev) * (P - 1)
-        d_seq = (meta.seq_lens + P - 1 - num_rejected).clamp(max=self.max_model_len) * live
-        req = torch.repeat_interleave(torch.arange(B, device=dev), d_qsl[1:] - d_qsl[:-1], output_size=d_ids.shape[0])
-        slots = self.slots(d_pos, req, meta.block_tables, valid=~is_rejected & live[req])
-        d_meta = ForwardMeta(positions=d_pos, query_start_loc=d_qsl, seq_lens=d_seq, slot_mapping=slots,
-                             block_tables=meta.block_tables)
-        normed, prenorm = forward(drafter, d_ids, hidden, d_meta, uniform)
-        logits = drafter.compute_logits(normed[sample_idx])
-        first = drafter.to_target_ids(logits.argmax(-1)).view(B, P)
-        if self.mode == "peagle":
-            return first
-        # EAGLE-3: n-1 more passes, one token per request, feeding back the drafter's own pre-norm state.
-        out, h, last_pos = [first[:, 0]], prenorm[sample_idx], d_pos[sample_idx]
-        ar = torch.arange(B + 1, device=dev)
-        for i in range(1, n):
-            p = last_pos + i
-            meta_i = ForwardMeta(positions=p, query_start_loc=ar, seq_lens=(p + 1).clamp(max=self.max_model_len) * live,
-                                 slot_mapping=self.slots(p, ar[:-1], meta.block_tables, valid=live),
-                                 block_tables=meta.block_tables)
-            normed, h = forward(drafter, out[-1], h, meta_i, True)  # one token per request: uniform
-            out.append(drafter.to_target_ids(drafter.compute_logits(normed).argmax(-1)))
-        return torch.stack(out, dim=1)
-
-    def slots(self, positions, req_index, block_tables, valid=None) -> torch.Tensor:
-        """Flat cache slot of each token; -1 (no write) when invalid or past max_model_len."""
-        ok = positions < self.max_model_len
-        if valid is not None:
-            ok &= valid
-        p = positions.clamp(0, self.max_model_len - 1)
-        block = block_tables[req_index, p // self.block_size]
-        return torch.where(ok, block * self.block_size + p % self.block_size, torch.full_like(p, -1))
 
     def _to_host(self, batch, tokens, num_accepted, drafts, lps=None) -> StepResult:
         """The step's one device-to-host copy: emitted tokens, accepted counts and drafts side by side."""

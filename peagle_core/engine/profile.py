@@ -1,8 +1,9 @@
-"""Start-up profile of step times for the adaptive depth policy.
+"""Start-up profiles of step times for the adaptive depth policy.
 
-Times a target forward at token counts 1, 2, 4, ... up to max_num_seqs * (K+1) and one drafter
-pass, on dummy decode-shaped batches (one token per request, no K/V writes: slot -1). The
-policy refines these from live step times, so the profile only needs the right shape.
+`profile_step_grid`: whole engine steps per batch size and k (the policy's `StepGrid`). `profile`, the fallback
+when the KV cache is too small for the grid's requests: a target forward at token counts 1, 2, 4, ... up to
+max_num_seqs * (K+1) and one drafter pass, on dummy decode-shaped batches (one token per request, no K/V writes:
+slot -1). The policy refines either from live step times, so a profile only needs the right shape.
 """
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import time
 
 import torch
 
+from peagle_core.depth.adaptive import StepGrid
 from peagle_core.engine.model_runner import ModelRunner
+from peagle_core.engine.request import Request
+from peagle_core.engine.scheduler import Scheduled
+from peagle_core.engine.types import SamplingParams
 from peagle_core.models.layers import ForwardMeta
 
 
@@ -55,3 +60,62 @@ def profile(runner: ModelRunner, max_tokens: int) -> tuple[dict[int, float], flo
         h = torch.zeros(b, runner.drafter.config.hidden_size, device=dev, dtype=runner.drafter.fc.weight.dtype)
         draft = _time(lambda: runner.drafter.compute_logits(runner.drafter(ids, h, meta)[0]))
     return points, draft
+
+
+def profile_step_grid(runner: ModelRunner, max_batch: int, K: int, context: int = 256, passes: int = 3
+                      ) -> StepGrid:
+    """Time `runner.execute` on synthetic decode batches: B = 1, 2, 4, ... max_batch requests with
+    `context` tokens already cached (fewer when the KV cache is small), each verifying k = 0..K drafts.
+    The engine calls this at start-up, before any request: the K/V it writes land in free blocks that a
+    request overwrites before reading (every forward writes a position before attending to it). The drafts
+    verified are the drafter's own proposals for those contexts (random tokens without a drafter).
+
+    One untimed pass over the whole grid first (CUDA-graph capture, compilation, clocks coming up), then
+    `passes` timed passes, each cell keeping its fastest: timing noise only ever adds, and one slow cell
+    would become its row's floor through the monotone-in-k rule and make every k look equally dear."""
+    sizes, b = [], 1
+    while b < max_batch:
+        sizes.append(b)
+        b *= 2
+    sizes.append(max_batch)
+    bs, num_blocks = runner.block_size, runner.target_cache.shape[2]
+    # At most the blocks of one max_model_len sequence a request: a wider block table than any request can
+    # have is not a shape the CUDA graphs cover, and every profiled step would run eagerly.
+    per_req = min(num_blocks // max_batch, -(-runner.max_model_len // bs))
+    ctx = min(context, per_req * bs - 2 * K - 2, runner.max_model_len - 2 * K - 2)
+    if ctx < 1:
+        raise ValueError(f"the KV cache ({num_blocks} blocks of {bs}) is too small to profile {max_batch} requests")
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    vocab = runner.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def requests(B: int) -> list[Request]:
+        out = []
+        for i in range(B):
+            ids = torch.randint(0, vocab, (ctx + 1,), generator=gen).tolist()
+            req = Request(f"profile-{i}", ids, params)
+            req.num_computed = ctx
+            req.drafts = torch.randint(0, vocab, (K,), generator=gen).tolist()
+            req.block_table = list(range(i * per_req, (i + 1) * per_req))
+            out.append(req)
+        return out
+
+    reqs = {B: requests(B) for B in sizes}
+    if getattr(runner, "drafter", None) is not None:
+        # Verify what the drafter proposes, not random tokens: the experts a verify step reads depend on its
+        # tokens, and random ones spread over more experts, which makes deep verifies look dearer than they are.
+        for B in sizes:
+            proposed = runner.execute([Scheduled(r, 1, 0) for r in reqs[B]], draft_len=K).drafts
+            for r, d in zip(reqs[B], proposed):
+                r.drafts = d[:K] + r.drafts[len(d):]
+    batches = {(B, k): [Scheduled(r, 1, k) for r in reqs[B]] for B in sizes for k in range(K + 1)}
+    times = {cell: float("inf") for cell in batches}
+    for timed in [False] + [True] * passes:
+        for (B, k), batch in batches.items():
+            t0 = time.perf_counter()
+            runner.execute(batch, draft_len=k)  # ends in the step's device-to-host copy
+            if timed:
+                times[B, k] = min(times[B, k], time.perf_counter() - t0)
+            for s in batch:  # k = 0 drafted nothing and kept the drafter's inputs: the next cell must not catch up
+                s.req.behind = None
+    return StepGrid({B: [times[B, k] for k in range(K + 1)] for B in sizes})

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from peagle_core.config import EngineConfig, GptOssConfig
+from peagle_core.engine.graphs import target_graph_set
+from peagle_core.engine.memory import bind_kv_cache, cache_bytes_per_block, freeze_heap, kv_budget_bytes
 from peagle_core.loading.checkpoint import Shard, load_target, read_json
 from peagle_core.models.gpt_oss import GptOss
 from peagle_core.models.layers import ForwardMeta
@@ -261,9 +263,6 @@ class WorkerSpec:
 def run_worker(spec: WorkerSpec, rank: int) -> None:
     """A worker's whole life: connect, load its shard, agree on the KV cache, then follow rank 0's forwards."""
     from peagle_kernels.dispatch import set_triton_enabled
-    from peagle_core.engine.graphs import target_graph_set
-    from peagle_core.engine.llm_engine import freeze_heap, kv_budget_bytes
-    from peagle_core.engine.model_runner import ModelRunner
     from peagle_core.loading.hub import resolve
 
     torch.set_num_threads(spec.num_threads)
@@ -280,15 +279,13 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     tcfg = GptOssConfig.from_hf(read_json(path / "config.json"))
     target = load_target(path, spec.dtype, device, world, target_shard(tcfg, rank, world), cfg.quantization)
     install_all_reduce(target, comm.all_reduce)
-    per_block = ModelRunner.cache_bytes_per_block(target, cfg.block_size, spec.dtype)
+    per_block = cache_bytes_per_block(target, cfg.block_size, spec.dtype)
     work, _ = comm.start_min(cfg.num_gpu_blocks or int(kv_budget_bytes(cfg, device) // per_block))
     work.wait()
     kind, num_blocks, max_model_len, max_num_seqs, K, budget, capture, _ = comm.recv_header()
     if kind != INIT:
         return
-    # The same runner code binds the same cache layout; only its target forward is ever used here.
-    ModelRunner(target, None, "none", 0, cfg.block_size, num_blocks, max_model_len, device, spec.dtype,
-                tcfg.vocab_size)
+    bind_kv_cache(target, num_blocks, cfg.block_size, spec.dtype, device)  # rank 0's layout, this rank's heads
     graphs = target_graph_set(target, max_num_seqs, K, max_model_len, cfg.block_size, budget or None, device,
                               bool(capture), torch.cuda.graph_pool_handle() if capture else None)
     freeze_heap()  # a full collection in one rank stalls every rank's step

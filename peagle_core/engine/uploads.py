@@ -1,13 +1,10 @@
 """A step's metadata from host lists to the device: one copy through reused pinned buffers.
 
-Before an eager step's first launch the device is idle, so every microsecond the host spends here is step time
-(on an H200 the host's share of a 20B-shape decode step was 230-410 us, docs/benchmarks/ab_skinny_linear.md,
-and on the lent machine's virtual machine each CUDA call costs the host 10-20 us: docs/benchmarks/ab_uploads.md).
-So the integers and the float sampling parameters share one buffer, written with one memmove into pinned
-memory kept from step to step, and reach the device in one asynchronous copy. (A device-to-device copy out of
-the pinned buffer's device view, under unified addressing one CUDA call where PyTorch's host-to-device copy
-makes more, was measured too: no faster, ab_uploads.md, so not kept.) A graphed step uploads only its
-verification inputs here, after the graph's launch: the graph copies its own inputs in (`graphs.GraphSet`, staged).
+Before an eager step's first launch the device is idle, so every microsecond the host spends here is step time,
+and on a virtual machine each CUDA call costs the host 10-20 us. So the integers and the float sampling parameters
+share one buffer, written with one memmove into pinned memory kept from step to step, and reach the device in one
+asynchronous copy. A graphed step uploads only its verification inputs here, after the graph's launch: the graph
+copies its own inputs in (`graphs.GraphSet`, staged).
 
 Two buffers alternate. The host refills one only once the copy that last read it has run: the runner says
 when the device is idle (`device_idle`, after each step's device-to-host copy), and an upload into a buffer
@@ -17,7 +14,7 @@ per step. Device-side reuse needs no care: the copy into a device buffer is queu
 kernel that read the buffer's earlier views.
 
 Every view starts 16 bytes aligned: Triton specialises a kernel on whether each pointer is, and views at
-offsets set by the step's sizes made the eager kernels compile new variants in live steps (docs/adaptive_log.md).
+offsets set by the step's sizes made the eager kernels compile new variants in live steps.
 """
 from __future__ import annotations
 
