@@ -62,14 +62,18 @@ class VLLMMetrics:
         self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r)
         self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Draft tokens accepted at each draft position", m + ["position"], registry=r)
+        # vLLM's prefix-cache counters count prompt tokens: looked up, and found cached
+        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m,
+                                     registry=r)
+        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", m, registry=r)
 
     def observe_step_gap(self, seconds: float) -> None:
         """Between two deltas of one request that carried tokens (the router sees one a step)."""
         self.itl.labels(model_name=self.model).observe(seconds)
 
     def observe(self, ttft_s: float | None, e2e_s: float, prompt_tokens: int, completion_tokens: int,
-                finish_reason: str | None, spec: dict[str, Any] | None, phases: dict[str, float] | None = None
-                ) -> None:
+                finish_reason: str | None, spec: dict[str, Any] | None, phases: dict[str, float] | None = None,
+                cached_tokens: int = 0) -> None:
         """One finished request."""
         label = {"model_name": self.model}
         for name, seconds in (phases or {}).items():
@@ -79,6 +83,8 @@ class VLLMMetrics:
         self.prompt_len.labels(**label).observe(prompt_tokens)
         self.generation_len.labels(**label).observe(completion_tokens)
         self.prompt_tokens.labels(**label).inc(prompt_tokens)
+        self.cache_queries.labels(**label).inc(prompt_tokens)
+        self.cache_hits.labels(**label).inc(cached_tokens)
         self.generation_tokens.labels(**label).inc(completion_tokens)
         self.success.labels(finished_reason=finish_reason or "stop", **label).inc()
         if ttft_s is not None:

@@ -459,7 +459,7 @@ class Frontend:
         use = P.usage(u["prompt_tokens"], u["completion_tokens"], u.get("cached_tokens", 0))
         self.vllm_metrics.observe(None if t_first is None else t_first - t0, time.perf_counter() - t0,
                                   u["prompt_tokens"], u["completion_tokens"], ev["finish_reason"], ev.get("spec"),
-                                  ev.get("phases"))
+                                  ev.get("phases"), u.get("cached_tokens", 0))
         spec = speculative_decoding(ev.get("spec"), self.num_spec_tokens)
         return use, ({"metrics": {"speculative_decoding": spec}} if spec is not None else {})
 
