@@ -824,7 +824,7 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
         f = fixed_policy(policy)
         if a.shared_engine:
             # One depth-K engine a round, every policy swapped into it: on a host-bound engine (the tiny pair
-            # on a GPU) one build's host speed differed from the next's by up to 1.5x (host_noise.py), more
+            # on a GPU) one build's host speed differed from the next's by up to 1.5x, more
             # than the policies differ, so each round's policies share one build.
             if shared is None or shared[0] != rnd:
                 shared = None

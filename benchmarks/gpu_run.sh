@@ -21,7 +21,6 @@
 #   bash benchmarks/gpu_run.sh tp-allreduce  # two H200s: a TP=2 step's all-reduces alone, and their share of it
 #   bash benchmarks/gpu_run.sh tp-paths  # two H200s: NCCL's transport between the GPUs; symmetric-memory one-shot
 #   bash benchmarks/gpu_run.sh adaptive-tiny   # one H200: the tiny pair's sweep (real acceptance; carry data/heldout.json)
-#   bash benchmarks/gpu_run.sh tiny-probes     # one H200: policy_overhead.py --trace at 16 and 4 requests (carry data/heldout.json)
 #   bash benchmarks/gpu_run.sh train-profile   # one H200: where a head-training step's time goes (carry data/regen.jsonl)
 #   bash benchmarks/gpu_run.sh train-speed     # one H200: head-training step times, eager and compiled (carry it too)
 # The image lacks pydantic: benchmarks/device_wheels.sh fetches the wheels into .whl/ (carry it). pair-tp,
@@ -91,8 +90,6 @@ case "${1:-}" in
     # --pdl: the decode graph again with PEAGLE_PDL=1 (programmatic dependent launch; an estimated 10-20 s more,
     # compiling the PDL variants of the kernels at the 20B shape); the GPU tests above already ran every kernel with it
     timeout 150 python3 benchmarks/profile_step.py --pdl --out "$OUT" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 9
-    timeout 30 python3 benchmarks/routing.py --out "$OUT" 2>&1 | tail -n 12
-    timeout 60 python3 benchmarks/gemm_m.py --out "$OUT" > /dev/null 2>&1
     timeout 170 python3 -m peagle_core.cli bench --shape 20b --device cuda --out "$OUT" 2>&1 | tail -n 40
     ;;
   ab)  # one H200: a change's decode-step profile against an earlier commit's, in one call. BASE: that commit's code
@@ -214,11 +211,9 @@ case "${1:-}" in
     ;;
   adaptive-tiny)  # one H200: the shipped tiny pair's sweep on its own held-out prompts (real acceptance). Defaults as
                   # in adaptive_tiny_shared (~6 minutes): levels long enough to measure, one engine a round shared
-                  # by the policies (builds differ in host speed more than the policies do; docs/adaptive_log.md);
-                  # SWEEP_ARGS= (set, empty) builds an engine per policy instead; the switchback run of
-                  # docs/adaptive_log.md: ROUNDS=2 SWEEP_ARGS="--switchback 32 --switchback-cycles 12 --warm-policy
-                  # --warmup-steps 32 --prewarm-policy=" (~3 minutes); paired episodes (the same requests for every
-                  # policy, docs/adaptive_log.md): ROUNDS=2 WAVES=3 MIN_REQUESTS=0 SWEEP_ARGS="--paired 10 --warm-policy
+                  # by the policies (builds differ in host speed more than the policies do);
+                  # SWEEP_ARGS= (set, empty) builds an engine per policy instead; paired episodes (the same requests
+                  # for every policy): ROUNDS=2 WAVES=3 MIN_REQUESTS=0 SWEEP_ARGS="--paired 10 --warm-policy
                   # --warmup-steps 32 --prewarm-policy=" (~3.5 minutes)
     timeout "${SWEEP_TIMEOUT:-455}" python3 benchmarks/adaptive_sweep.py sweep --shape tiny --device cuda \
       --prompts heldout --concurrency 1,2,4,8,16,32,64 --waves "${WAVES:-6}" --min-requests "${MIN_REQUESTS:-64}" \
@@ -227,17 +222,6 @@ case "${1:-}" in
       --time-budget-s "${SWEEP_BUDGET:-390}" ${SWEEP_ARGS---shared-engine} --out /tmp/sweep_tiny 2>&1 \
       | tee "$OUT/sweep_tiny.log" | grep -v "C=" | tail -n 12
     tar czf "$OUT/sweep_tiny.tgz" -C /tmp sweep_tiny
-    ;;
-  tiny-probes)  # one H200: what a varying depth costs the host-bound tiny pair (policy_overhead.py --trace: every
-                # step's parts, adaptive against replay; carry data/heldout.json; PROBE_CONCURRENCY="16 4"). ~2 minutes
-    for c in ${PROBE_CONCURRENCY:-16 4}; do
-      timeout "${PROBE_TIMEOUT:-200}" python3 benchmarks/policy_overhead.py --out "/tmp/po$c" --concurrency $c \
-        --reps "${REPS:-3}" --policies "${PROBE_POLICIES:-K3,adaptive,replay,adaptive_k3}" --trace \
-        > "$OUT/policy_overhead_c$c.log" 2>&1
-      cp "/tmp/po$c/policy_overhead.json" "$OUT/policy_overhead_c$c.json"
-      [ -f "/tmp/po$c/policy_overhead_trace.json" ] && gzip -c "/tmp/po$c/policy_overhead_trace.json" > "$OUT/policy_overhead_trace_c$c.json.gz"
-      grep -v '^{"policy' "$OUT/policy_overhead_c$c.log" | tail -n 7
-    done
     ;;
   pair-pretrain)  # one H200: a longer-trained tiny target (carry data/tiny_tokens.pt.xz: `xz -k data/tiny_tokens.pt`,
                   # as the 27 MB tokens and the tracked tree pass the 64 MiB carry limit). Its checkpoint comes back in

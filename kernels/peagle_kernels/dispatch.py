@@ -12,7 +12,7 @@ returns once the previous grid has completed and its memory is visible) and
 grid has issued it or exited, the next grid's programs may be scheduled; no memory ordering at all).
 
 `use_pdl(t)` is the one switch and `pdl_launch(t)` the one way our launch sites apply it: every
-`kernels/triton_*.py` launch passes `**pdl_launch(x)`, which is `{}` when PDL is off and otherwise sets both
+`peagle_kernels/triton_*.py` launch passes `**pdl_launch(x)`, which is `{}` when PDL is off and otherwise sets both
 the launch attribute (`launch_pdl=True`) and the kernel's `USE_PDL` constexpr, so the two never disagree.
 With `USE_PDL` False (its default) the `if USE_PDL:` blocks are removed at compile time: the kernels compile
 exactly as without PDL.
@@ -99,7 +99,7 @@ def use_pdl(t: torch.Tensor) -> bool:
 
 def pdl_launch(t: torch.Tensor) -> dict:
     """Keyword arguments for a Triton launch on `t`'s device: `{}` without PDL; with it, the launch attribute
-    and the kernel's `USE_PDL` constexpr together (every kernel in kernels/triton_*.py declares
+    and the kernel's `USE_PDL` constexpr together (every kernel in peagle_kernels/triton_*.py declares
     `USE_PDL: tl.constexpr = False`)."""
     return {"launch_pdl": True, "USE_PDL": True} if use_pdl(t) else {}
 
@@ -136,8 +136,8 @@ def compiled_variants(kernels: dict[str, object] | None = None) -> dict[str, int
     """How many variants each Triton kernel (`triton_kernels()`, or those given) has compiled so far. Triton
     compiles one per new combination of constexprs and of what it specialises arguments on (integers equal
     to 1 or divisible by 16, 16-byte aligned pointers); in a live step a compile is a 0.1-0.4 s stall, so
-    the kernels the engine launches outside its CUDA graphs must not meet new ones (tests/test_graphs.py;
-    benchmarks/step_trace.py counts them per step). Empty under the interpreter."""
+    the kernels the engine launches outside its CUDA graphs must not meet new ones (tests/test_graphs.py).
+    Empty under the interpreter."""
     kernels = triton_kernels() if kernels is None else kernels
     # a JITFunction keeps, per device, a tuple whose first item is its compiled kernels
     return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in kernels.items()}

@@ -3,7 +3,7 @@
 At a bs-1 decode step the q/k/v and o projections are GEMVs bound by reading their weights. cuBLAS runs GPT-OSS's
 o projection (K 4096 > N 2880) as a split-K GEMM plus a separate reduce kernel; the Triton kernel
 (`peagle_kernels.triton_linear`) streams each weight once, in one launch, up to `SKINNY_MAX_TOKENS` rows. Measured on an
-H200 (`benchmarks/skinny_linear.py`, docs/benchmarks/skinny_linear*.md), back to back in a CUDA graph, weights
+H200 (`benchmarks/skinny_linear.py`, docs/benchmarks/kernels.md), back to back in a CUDA graph, weights
 never in L2: 20B o 9.8 against cuBLAS's 11.5 us, the tiny target's projections 2.4 against 3.1 us, but 20B q/k/v
 (N 5120 > K 2880) 11.0 against 10.1 us. `takes_skinny` is that finding; larger batches are compute-shaped and
 stay with cuBLAS. (The attention layers' own q/k/v at decode sizes take neither: `peagle_kernels.rope.qkv_rope_write_kv`

@@ -26,7 +26,7 @@ from peagle_kernels.dispatch import pdl_launch
 
 # The engine launches both kernels eagerly in every step with prompt chunks, whose token counts vary step by step:
 # Triton would compile a variant for each new pattern of these integers (== 1, divisible by 16) and each BLOCK,
-# a 0.1-0.4 s stall in a live step on an H200 (docs/adaptive_log.md). Neither kernel gains from those hints.
+# a 0.1-0.4 s stall in a live step on an H200. Neither kernel gains from those hints.
 @triton.jit(do_not_specialize=["T", "P", "num_blocks"])
 def _prepare_kernel(tok_ptr, pos_ptr, next_ptr, qsl_ptr, nrej_ptr,
                     ids_out, pos_out, rej_out, mask_out, sample_out, map_out,

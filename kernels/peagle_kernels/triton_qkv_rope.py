@@ -6,7 +6,7 @@ store): two launches, a gap between them, and a 2.2 us kernel that only moves a 
 16 of the projection's columns with the skinny GEMM's loop (`peagle_kernels.triton_linear.skinny_tile`): PIECE = 8 dims
 of one head's first half and the 8 dims HALF further on, the pairs the NeoX rotation mixes. So the rotation
 happens in registers, right after the bias: q's programs store the rotated q, k's store the rotated k and its
-cache entry, v's store the cache entry only. Measured on an H200 (docs/benchmarks/ab_qkv_rope.md, 20B shape, bs 1):
+cache entry, v's store the cache entry only. Measured on an H200 (docs/benchmarks/kernels.md, 20B shape, bs 1):
 264 us a step against 242 (cuBLAS) + 53 (rope), the decode graph 2.227 ms against 2.260, the step 80 us shorter.
 
 The projection is rounded to x's dtype before the rotation reads it, as `F.linear` stores it; the rotation then

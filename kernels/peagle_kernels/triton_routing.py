@@ -25,7 +25,7 @@ their rms as `peagle_kernels.triton_norm` does, normalises its hidden slice and 
 block's programs store the normed rows and the new residual. A bs-1 decode step of the 20B shape lost its 24
 norm launches; with one split for the sliding-window layers' attention (`peagle_kernels.triton_attention.kv_splits`)
 it went from 3.21-3.24 to 2.92-2.96 ms on two of three H200s, alternating runs, and stayed within the third's
-spread; the device's own work fell by ~25 us (docs/benchmarks/ab_fewer_launches.md).
+spread; the device's own work fell by ~25 us (docs/benchmarks/kernels.md).
 
 Larger batches, or a sort too large for one program (E = 128 above 32 tokens at k = 4), take the router
 linear from cuBLAS (`F.linear`, the reference's), then `_route_kernel` (BLOCK_T tokens a program, no sort).
@@ -196,7 +196,7 @@ def _partial_logits(x_ptr, w_ptr, partial_ptr, num_tokens, num_experts, hidden, 
     for h0 in tl.range(h_start, h_end, BLOCK_H, loop_unroll_factor=2):
         mask = pair_ok[:, None] & (h0 + hs < h_end)[None, :]
         x = tl.load(x_rows + (h0 + hs)[None, :], mask=mask, other=0.0)
-        if NORM:  # exactly the norm kernel's arithmetic (kernels/triton_norm.py)
+        if NORM:  # exactly the norm kernel's arithmetic (triton_norm.py)
             s = x.to(tl.float32) + tl.load(res_rows + (h0 + hs)[None, :], mask=mask, other=0.0).to(tl.float32)
             stored = s.to(res_out_ptr.dtype.element_ty)
             g = tl.load(norm_w_ptr + h0 + hs, mask=h0 + hs < h_end, other=0.0).to(tl.float32)[None, :]

@@ -90,7 +90,7 @@ def _residual_argmax(p_ptr, e_ptr, V, draft, NOISE_F64: tl.constexpr, BLOCK: tl.
 
 
 # N (verified rows) changes with every step's batch and depth, and the kernel runs outside the CUDA graphs:
-# specialising on it (== 1, divisible by 16) compiled new variants in live steps (docs/adaptive_log.md).
+# specialising on it (== 1, divisible by 16) compiled new variants in live steps (0.1-0.4 s stalls).
 @triton.jit(do_not_specialize=["N"])
 def _rejection_kernel(logits_ptr, probs_ptr, draft_ptr, cu_ptr, temp_ptr, u_ptr, e_ptr, tokens_ptr, nacc_ptr,
                       N, V, max_rows, stride_l, stride_p, stride_e,

@@ -15,7 +15,7 @@ A forward's shape is fixed once its requests and tokens are padded; graphs are k
            48, ... up to the step's token budget), requests always padded to max_num_seqs + 1, the dummies
            sharing the padded tokens. This works because nothing in a forward depends on how the tokens
            split into requests except through device tensors: the attention grid is T // BLOCK_Q + B
-           (kernels/triton_attention.py), and the MoE and the rest see only T.
+           (peagle_kernels/triton_attention.py), and the MoE and the rest see only T.
 Padding is harmless: padded tokens write no K/V (slot -1) and attend to nothing (seq_len 0); their
 outputs are never read. The attention kernel's KV split count also reads the block-table width, which
 a graph fixes at max_model_len. Steps larger than every bucket run eagerly.

@@ -113,7 +113,7 @@ class Scheduler:
             # Not capped by the tokens the request has left: what it accepts past max_tokens is dropped on
             # append, and it finishes in the same step either way. Capped, a request's last step verified fewer
             # drafts than the rest, the step was no longer a uniform decode and ran eagerly: on the tiny pair's
-            # H200 steps at 8 requests 15-18% of the steps, each ~1.9x a graphed one (docs/adaptive_log.md).
+            # H200 steps at 8 requests 15-18% of the steps, each ~1.9x a graphed one.
             drafts = max(0, min(k, len(req.drafts), room, budget - num_new))
         return Scheduled(req, num_new, drafts)
 
