@@ -8,6 +8,7 @@ flags are vLLM's names for what `peagle_cluster.settings` calls the same (`--ser
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import types
 import typing
@@ -65,6 +66,8 @@ def serve_args(ns: argparse.Namespace) -> dict[str, Any]:
         args["served_model_name"] = ns.served_model_name
     if ns.api_key:
         args["api_key"] = ns.api_key
+    else:  # as every shipped config: the key, if any, comes from PEAGLE_API_KEY
+        args["api_key_env"] = "PEAGLE_API_KEY"
     if ns.num_replicas:
         args["deployment"] = {"num_replicas": ns.num_replicas}
     return args
@@ -74,9 +77,12 @@ def run_serve(ns: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from peagle_cluster import failover
     from peagle_cluster.app import build_app
 
     app = build_app(serve_args(ns))  # a bad flag value fails here, before Ray starts
+    # Serve's proxy answers for a dead router only with this set before Ray starts (peagle_cluster/failover.py)
+    os.environ.setdefault(failover.CALLBACK_ENV, failover.CALLBACK)
     try:
         serve.start(http_options={"host": ns.host, "port": ns.port})
         serve.run(app, name="peagle", route_prefix="/", blocking=True)

@@ -21,6 +21,14 @@ def _app(path: Path) -> dict:
     return yaml.safe_load(path.read_text())["applications"][0]
 
 
+def _args(path: Path) -> dict:
+    """A config's app args in this app's flat shape (a Ray Serve LLM YAML's `llm_configs` converted)."""
+    from peagle_cluster.ray_llm import from_llm_serving_args
+
+    args = _app(path)["args"]
+    return from_llm_serving_args(args) if "llm_configs" in args else args
+
+
 def _engine_deployment(app):
     """The EngineReplica deployment bound into the router's arguments."""
     return app._bound_deployment.init_args[1]._bound_deployment
@@ -133,20 +141,20 @@ def test_api_key_comes_from_the_environment(monkeypatch):
 def test_every_config_reads_the_api_key_and_listens_on_loopback(path):
     raw = yaml.safe_load(path.read_text())
     assert raw["http_options"]["host"] == "127.0.0.1"
-    assert _app(path)["args"]["api_key_env"] == "PEAGLE_API_KEY"
+    assert parse_app_args(_args(path)).api_key_env == "PEAGLE_API_KEY"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_the_router_always_has_room_to_restart(path):
     """The router's CPUs are reserved in every config: with the engine at its most replicas, a router that dies
     can be placed again (tiny.yaml: on the 2 cores it is written for)."""
-    s = parse_app_args(_app(path)["args"])
+    s = parse_app_args(_args(path))
     eng, router = s.engine_deployment_options(), s.router_deployment_options()
     engine_replicas = eng.get("num_replicas") or eng["autoscaling_config"]["max_replicas"]
     router_replicas = router.get("num_replicas") or router["autoscaling_config"]["max_replicas"]
     router_cpus = router["ray_actor_options"].get("num_cpus", 0)
     assert router_cpus > 0
-    if path.name == "tiny.yaml":
+    if path.name.startswith("tiny"):
         bundles = eng.get("placement_group_bundles")
         per_replica = sum(b.get("CPU", 0) for b in bundles) if bundles else eng["ray_actor_options"]["num_cpus"]
         assert engine_replicas * per_replica + router_replicas * router_cpus <= 2

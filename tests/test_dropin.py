@@ -101,7 +101,8 @@ def test_serve_flags_are_vllms_and_build_the_same_settings():
     args = serve_args(ns)
     assert args == {"model": "tiny", "tensor_parallel_size": 1, "max_model_len": 1024, "max_num_seqs": 4,
                     "dtype": "float32", "device": "cpu", "speculative_config": SPEC, "enforce_eager": True,
-                    "served_model_name": "tiny", "deployment": {"num_replicas": 2}}
+                    "served_model_name": "tiny", "deployment": {"num_replicas": 2}, "api_key_env": "PEAGLE_API_KEY"}
+    assert serve_args(_parse(["tiny", "--api-key", "k"]))["api_key"] == "k"  # vLLM's flag, instead of the variable
     tiny = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["applications"][0]["args"]
     assert parse_app_args(args).engine == parse_app_args(tiny).engine.model_copy(update={"enforce_eager": True})
     assert ns.port == 8123 and ns.host == "127.0.0.1"

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from peagle_cluster.settings import KEY_ENV
 from peagle_core.config import format_validation_error, parse_engine_config
 
 
@@ -111,6 +112,7 @@ def from_llm_serving_args(args: dict[str, Any]) -> dict[str, Any]:
     if s.ingress_deployment_config:
         out["router"] = dict(s.ingress_deployment_config)
     _check_paths(out, deployment, s.ingress_deployment_config)
+    out["api_key_env"] = KEY_ENV  # the key works as in every config (Ray Serve LLM's YAML has no field for it)
     return out
 
 
