@@ -120,7 +120,11 @@ def test_tp2_replica_serves_the_same_tokens_as_tp1(tp_app):
     tp_groups = [g for g in groups if list(g["bundles"].values()) == [{"CPU": 1.0}, {"CPU": 1.0}]]
     assert len(tp_groups) == 1 and tp_groups[0]["strategy"] == "STRICT_PACK"
     assert httpx.get(tp_app["url"] + "/health", timeout=30).status_code == 200
-    tp = httpx.get(tp_app["url"] + "/v1/stats", timeout=30).json()["replicas"][0]["engine"]["tensor_parallel"]
+    deadline = time.monotonic() + 20  # a replica posts to the stats board once a metrics interval
+    while not (replicas := httpx.get(tp_app["url"] + "/v1/stats", timeout=30).json()["replicas"]):
+        assert time.monotonic() < deadline, "no replica on /v1/stats"
+        time.sleep(0.5)
+    tp = replicas[0]["engine"]["tensor_parallel"]
     assert {k: tp[k] for k in ("size", "workers", "devices", "healthy")} == {
         "size": 2, "workers": "ray_actors", "devices": ["cpu", "cpu"], "healthy": True}
 

@@ -45,13 +45,14 @@ class StatsBoard:
         return aggregate(replicas)
 
     async def _drop_dead(self, timeout_s: float = 1.0) -> None:
-        """Ray fails a call to a dead actor at once; a live but busy one may just be slow (kept)."""
+        """Ray fails a call to a dead actor at once; a live but busy one may just be slow, and one Ray calls
+        unavailable (restarting, or unreachable for now) may come back: both are kept, the TTL decides."""
         async def alive(actor) -> bool:
             try:
                 await asyncio.wait_for(actor.__ray_ready__.remote(), timeout_s)
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.ActorDiedError:
                 return False
-            except Exception:  # slow or unreachable for now: the TTL decides
+            except Exception:  # slow, or unavailable for now
                 pass
             return True
 
