@@ -25,9 +25,12 @@ from peagle_core.bench import build_random, target_config, time_graph  # noqa: E
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
 # MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k); the first of each list is what
-# `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second).
-MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 64, 64, 128, 4, 4, 1), (32, 32, 32, 128, 2, 4, 1),
-         (64, 64, 128, 64, 4, 3, 1)]
+# `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second). docs/benchmarks/moe_tiles.md's
+# tables come from these (`--max-t 64`, and `--max-t 256` for the largest batches).
+MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 32, 32, 128, 2, 4, 4), (16, 32, 32, 128, 2, 4, 8),
+         (16, 32, 32, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 1), (16, 64, 64, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 8),
+         (16, 32, 32, 64, 2, 4, 4), (16, 32, 32, 64, 2, 6, 8), (16, 16, 16, 128, 1, 4, 4), (16, 32, 32, 256, 2, 3, 4),
+         (32, 32, 32, 128, 2, 4, 1), (64, 64, 128, 64, 4, 3, 1)]
 LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
           "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
 
