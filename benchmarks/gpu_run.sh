@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
+#   bash benchmarks/gpu_run.sh moe-fma   # one GPU: the CUDA-core MXFP4 path: GPU tests, SASS mix, MoE layer at 1-8 tokens
 #   bash benchmarks/gpu_run.sh prefix-ttft  # one GPU: TTFT with a shared 2,048-token prefix, prefix cache on / off
 #   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
@@ -141,6 +142,12 @@ case "${1:-}" in
       > /tmp/bench.log 2>&1; tail -n 24 /tmp/bench.log
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 256 --layers 120b-mxfp4,20b-mxfp4 \
       > /tmp/moe_tiles.log 2>&1; tail -n 16 /tmp/moe_tiles.log
+    ;;
+  moe-fma)  # one GPU: the CUDA-core MXFP4 path: its GPU tests, the instruction mix, the MoE layer at 1-8 tokens
+    timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k "cuda_core or bf16_cuda" 2>&1 | tail -n 4
+    timeout 90 python3 benchmarks/sass_mix.py --out "$OUT/sass" 2>&1 | tail -n 8
+    timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers "${MOE_LAYERS:-120b-fma}" \
+      --tokens "${MOE_TOKENS:-1,4,8}" > /tmp/moe_tiles.log 2>&1; tail -n 12 /tmp/moe_tiles.log
     ;;
   prefix-ttft)  # one GPU: TTFT with a 2,048-token shared prefix, prefix caching on against off (20B shape)
     timeout 300 python3 benchmarks/prefix_ttft.py --shape 20b --prefix 2048 --concurrency 4 --waves 4 --rounds 1 \

@@ -211,6 +211,7 @@ class MoeTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1  # MXFP4 at decode sizes: K split over this many programs (triton_moe_mxfp4)
+    fma: int = 0  # MXFP4: 0 = MMA (tl.dot_scaled / decode + tl.dot); 1, 2 = CUDA cores (f32 / fp16-pair decode)
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
@@ -255,16 +256,17 @@ class RoutedPairs:
 
 
 def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int,
-                   mxfp4: bool = False, routing: Routing | None = None) -> RoutedPairs:
+                   mxfp4: bool = False, routing: Routing | None = None, tiles: MoeTiles | None = None) -> RoutedPairs:
     """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights), on device: one launch at decode sizes (the
     routing kernel sorts the pairs too), else the routing kernel then `sort_pairs_by_expert`. A `routing`
-    worked out already (`peagle_kernels.moe.norm_and_route`) is only sorted, if it is not yet."""
+    worked out already (`peagle_kernels.moe.norm_and_route`) is only sorted, if it is not yet. `tiles`: launch shapes
+    other than `moe_tiles`' (tests, benchmarks)."""
     T, E = x.shape[0], router_w.shape[0]
     if routing is not None and tuple(routing.experts.shape) != (T, top_k):
         raise ValueError(f"moe: routing for {tuple(routing.experts.shape)} pairs, x needs ({T}, {top_k})")
     gates, experts, sorted_pairs = routing or route_and_sort_pairs(x, router_w, router_b, top_k)
     order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
-    tiles = moe_tiles(T, top_k, mxfp4)
+    tiles = tiles or moe_tiles(T, top_k, mxfp4)
     return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, one_tile=T <= tiles.block_m)
 
 
