@@ -332,7 +332,7 @@ class Models:
 
     def release(self) -> None:
         """Drop the K/V views the last engine bound into the shared modules, so its cache can be freed."""
-        from peagle_core.bench import release_caches
+        from peagle_core.bench.models import release_caches
 
         release_caches(self.modules[0])
         release_caches(self.modules[1])
@@ -351,12 +351,12 @@ def build_models(shape: str, mode: str, device: torch.device, dtype: torch.dtype
         d_name = str(Path(pair) / mode) if pair else f"tiny-{mode}"
         target = load_target(resolve(t_name), dtype, device)
         return Models(shape, mode, t_name, d_name, (target, load_drafter(resolve(d_name), target, dtype, device)))
-    from peagle_core.bench import build_random, drafter_config, target_config
+    from peagle_core.bench.models import build_random, drafter_config, target_config
     from peagle_core.models.drafter import Drafter
     from peagle_core.models.gpt_oss import GptOss
 
     cfg = target_config(shape.removeprefix("random-"))
-    layers = 4 if mode == "peagle" else 1  # like the published GPT-OSS heads (see peagle_core/bench.py)
+    layers = 4 if mode == "peagle" else 1  # like the published GPT-OSS heads (see peagle_core/bench/models.py)
     dcfg = drafter_config(cfg, parallel=mode == "peagle", layers=layers)
     d = Path(tempfile.mkdtemp(prefix=f"peagle-{shape}-"))
     for sub, conf in (("target", cfg.to_hf()), ("drafter", dcfg.to_hf())):
@@ -385,25 +385,13 @@ def activate(runner) -> None:
 
 def time_cells(fns: dict[Any, Callable[[], Any]], device: torch.device, warmup: int, iters: int,
                statistic: str = "median") -> dict[Any, float]:
-    """Seconds per call (median, or min: the least disturbed call, for a CPU shared with other work).
-    On a GPU each cell on its own (CUDA events, `peagle bench`'s `measure`); on a CPU round-robin over
-    the cells, so load from other processes spreads over all of them alike instead of skewing
-    whichever cell it happened to meet."""
-    from peagle_core.bench import measure
+    """Seconds per call (median, or min: the least disturbed call, for a CPU shared with other work), from the
+    shared step timer: on a GPU each cell on its own (CUDA events); on a CPU round-robin over the cells, so load
+    from other processes spreads over all of them alike instead of skewing whichever cell it happened to meet."""
+    from peagle_core.timing import measure_cells
 
-    if device.type == "cuda":
-        ts = {c: measure(fn, device, warmup, iters) for c, fn in fns.items()}
-        return {c: (t.median_ms if statistic == "median" else t.min_ms) * 1e-3 for c, t in ts.items()}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[Any, list[float]] = {c: [] for c in fns}
-    for _ in range(iters):
-        for c, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[c].append(time.perf_counter() - t0)
-    return {c: statistics.median(v) if statistic == "median" else min(v) for c, v in samples.items()}
+    ts = measure_cells(fns, device, warmup, iters, interleave=device.type != "cuda")
+    return {c: (t.median_ms if statistic == "median" else t.min_ms) * 1e-3 for c, t in ts.items()}
 
 
 def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: int, device: torch.device,
@@ -418,7 +406,7 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
 
     plus `profile`: the start-up profile the adaptive policy would take, so a simulation can give it
     what the engine would."""
-    from peagle_core.bench import Layout, make_runner, synthetic_batch
+    from peagle_core.bench.batches import Layout, make_runner, synthetic_batch
     from peagle_core.engine.profile import profile
 
     target, drafter = models.modules
