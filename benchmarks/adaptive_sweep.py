@@ -872,6 +872,8 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
               "cells": sorted(combine_rounds(cells), key=lambda c: (c["policy"], c["concurrency"])),
               "cells_by_round": sorted(cells, key=lambda c: (c["policy"], c["concurrency"], c.get("round", 0)))}
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({a.shape}, {a.mode})")
+    for line in bar_verdict(result):
+        log(line)
     return result
 
 
@@ -946,6 +948,8 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
               "cells_by_round": sorted(cells, key=lambda c: (c["policy"], c["concurrency"], c.get("round", 0)))}
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({result['shape']}, "
                  f"{result['mode']}; {len(parts)} runs, one per concurrency range)")
+    for line in bar_verdict(result):
+        print(line, file=sys.stderr, flush=True)
     return result
 
 
@@ -972,6 +976,25 @@ def bar_rows(cells: list[dict[str, Any]], fixed: list[int], concurrency: list[in
             row["beats_kmax_where_not_best"] = None if best == kmax else v > fixed_here[kmax]
         rows.append(row)
     return rows
+
+
+def bar_verdict(result: dict[str, Any]) -> list[str]:
+    """The bar, one line a concurrency: adaptive over the best fixed K (>= 0.97) and over K = max where that is
+    not best (> 1), pass or fail, then the verdict over every level measured."""
+    rows = bar_rows(result["cells"], result["fixed"], result["concurrency"])
+    kmax = f"K{max(result['fixed'])}"
+    lines = []
+    for b in rows:
+        ok = b["meets_097"] and b.get("beats_kmax_where_not_best") in (None, True)
+        vs_kmax = "" if b.get("over_kmax") is None or b.get("kmax_is_best") else f", {b['over_kmax']:.3f} x {kmax}"
+        lines.append(f"[bar] {b['concurrency']:>3} requests: adaptive {b['over_best']:.3f} x best fixed "
+                     f"({b['best_fixed']}){vs_kmax}: {'pass' if ok else 'FAIL'}")
+    missing = [C for C in result["concurrency"] if C not in {b["concurrency"] for b in rows}]
+    met = bool(rows) and not missing and all(line.endswith("pass") for line in lines)
+    lines.append(f"[bar] adaptive >= {BAR_FRACTION} x best fixed K at every concurrency, above {kmax} where it is "
+                 f"not best: {'MET' if met else 'NOT MET'}" + (f" (no adaptive or fixed cells at {missing})"
+                                                              if missing else ""))
+    return lines
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
