@@ -24,6 +24,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`peagle bench`'s flags (the `peagle` CLI and the tests build their parsers with it)."""
     p.add_argument("--shape", choices=["tiny", "20b", "120b"], default="20b",
                    help="20b: every measurement, then the 120B bs-1 decode figures; 120b: only those; "
                         "tiny: the shipped tiny architecture (CPU smoke run)")

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from peagle_core.bench.session import Bench
 
 
-def primary(b: Bench) -> None:
+def own_shape(b: Bench) -> None:
+    """The run's own shape (bf16 experts): build the target, time decode steps at each batch size and verify
+    steps at bs 1, then the drafter and `transformers` sections over the same weights."""
     a, r, s, dev, dt = b.args, b.r, b.summary, b.device, b.dtype
     cfg = target_config(a.shape)
     layout = Layout.for_run(r["context"], r["max_k"], r["hf_tokens"])

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 
 def draft_steps(b: Bench, target: GptOss, cfg: GptOssConfig, layout: Layout) -> None:
+    """The drafter's part of a step after a verify of K drafts, K = 1..max_k, for both heads; the K7/K1 ratios."""
     a, r, s, dev, dt = b.args, b.r, b.summary, b.device, b.dtype
     b.log.section(f"drafter steps at bs 1, K = 1..{r['max_k']}: P-EAGLE (4 layers) and EAGLE-3 (1 layer)")
     draft: dict[str, Any] = {}

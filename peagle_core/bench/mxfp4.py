@@ -72,6 +72,8 @@ def moe_layer(b: Bench, shape: str) -> dict[str, Any]:
 
 
 def packed_decode(b: Bench, shape: str) -> dict[str, Any]:
+    """bs-1 decode of the packed model: the whole depth if it fits (with its verify steps), else the deepest
+    even depth that does, timed at two depths and extrapolated; shallower again after running out of memory."""
     a, r, dev, dt = b.args, b.r, b.device, b.dtype
     full_cfg = target_config(shape)
     L = full_cfg.num_hidden_layers

@@ -20,7 +20,7 @@ from peagle_kernels import use_triton
 from peagle_kernels.dispatch import use_pdl
 from peagle_core.bench.bars import BARS
 from peagle_core.bench.batches import BLOCK_SIZE
-from peagle_core.bench.decode import primary
+from peagle_core.bench.decode import own_shape
 from peagle_core.bench.models import available_bytes, free_memory
 from peagle_core.bench.mxfp4 import packed_shape, packed_shapes
 from peagle_core.bench.roofline import measure_bandwidth
@@ -44,6 +44,7 @@ class Log:
 
 
 def command_line(args: argparse.Namespace) -> str:
+    """The command as typed, or one equivalent to these arguments when called from Python."""
     argv = sys.argv
     if "bench" in argv:
         return "peagle " + shlex.join(argv[argv.index("bench"):])
@@ -59,6 +60,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def machine(device: torch.device) -> dict[str, Any]:
+    """Device, versions and the git commit the figures came from."""
     def version(mod: str) -> str | None:
         try:
             return __import__(mod).__version__
@@ -120,7 +122,7 @@ class Bench:
         a, s = self.args, self.summary
         self.bandwidth()
         if a.shape != "120b":
-            primary(self)
+            own_shape(self)
         else:
             s["note"] = "--shape 120b: only the 120B bs-1 decode figures; the 20B keys are null"
         for shape, key in packed_shapes(self):

@@ -12,6 +12,7 @@ PACKED = {"gpt_oss_20b_mxfp4": "20B", "gpt_oss_120b": "120B"}  # summary key -> 
 
 
 def write_outputs(summary: dict[str, Any], out: Path) -> None:
+    """summary.json (atomically: a run cut short leaves the last whole one) and summary.md, with the bars."""
     summary["bars"] = bar_rows(summary)
     tmp = out / "summary.json.tmp"
     tmp.write_text(json.dumps(_clean(summary), indent=2, default=str) + "\n")
@@ -49,6 +50,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def render_markdown(s: dict[str, Any]) -> str:
+    """summary.md: the settings, the bar, then a table per section that ran (or why it did not)."""
     m, st = s.get("machine", {}), s.get("settings", {})
     device = m.get("gpu_name") or f"CPU ({m.get('cpu')}, {m.get('cpu_count')} cores)"
     out = [f"# peagle bench: {st.get('shape')} shape on {device}", "",
