@@ -332,7 +332,7 @@ class Models:
 
     def release(self) -> None:
         """Drop the K/V views the last engine bound into the shared modules, so its cache can be freed."""
-        from peagle_core.bench import release_caches
+        from peagle_core.bench.models import release_caches
 
         release_caches(self.modules[0])
         release_caches(self.modules[1])
@@ -351,12 +351,12 @@ def build_models(shape: str, mode: str, device: torch.device, dtype: torch.dtype
         d_name = str(Path(pair) / mode) if pair else f"tiny-{mode}"
         target = load_target(resolve(t_name), dtype, device)
         return Models(shape, mode, t_name, d_name, (target, load_drafter(resolve(d_name), target, dtype, device)))
-    from peagle_core.bench import build_random, drafter_config, target_config
+    from peagle_core.bench.models import build_random, drafter_config, target_config
     from peagle_core.models.drafter import Drafter
     from peagle_core.models.gpt_oss import GptOss
 
     cfg = target_config(shape.removeprefix("random-"))
-    layers = 4 if mode == "peagle" else 1  # like the published GPT-OSS heads (see peagle_core/bench.py)
+    layers = 4 if mode == "peagle" else 1  # like the published GPT-OSS heads (see peagle_core/bench/models.py)
     dcfg = drafter_config(cfg, parallel=mode == "peagle", layers=layers)
     d = Path(tempfile.mkdtemp(prefix=f"peagle-{shape}-"))
     for sub, conf in (("target", cfg.to_hf()), ("drafter", dcfg.to_hf())):
@@ -385,25 +385,13 @@ def activate(runner) -> None:
 
 def time_cells(fns: dict[Any, Callable[[], Any]], device: torch.device, warmup: int, iters: int,
                statistic: str = "median") -> dict[Any, float]:
-    """Seconds per call (median, or min: the least disturbed call, for a CPU shared with other work).
-    On a GPU each cell on its own (CUDA events, `peagle bench`'s `measure`); on a CPU round-robin over
-    the cells, so load from other processes spreads over all of them alike instead of skewing
-    whichever cell it happened to meet."""
-    from peagle_core.bench import measure
+    """Seconds per call (median, or min: the least disturbed call, for a CPU shared with other work), from the
+    shared step timer: on a GPU each cell on its own (CUDA events); on a CPU round-robin over the cells, so load
+    from other processes spreads over all of them alike instead of skewing whichever cell it happened to meet."""
+    from peagle_core.timing import measure_cells
 
-    if device.type == "cuda":
-        ts = {c: measure(fn, device, warmup, iters) for c, fn in fns.items()}
-        return {c: (t.median_ms if statistic == "median" else t.min_ms) * 1e-3 for c, t in ts.items()}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: dict[Any, list[float]] = {c: [] for c in fns}
-    for _ in range(iters):
-        for c, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[c].append(time.perf_counter() - t0)
-    return {c: statistics.median(v) if statistic == "median" else min(v) for c, v in samples.items()}
+    ts = measure_cells(fns, device, warmup, iters, interleave=device.type != "cuda")
+    return {c: (t.median_ms if statistic == "median" else t.min_ms) * 1e-3 for c, t in ts.items()}
 
 
 def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: int, device: torch.device,
@@ -418,7 +406,7 @@ def measure_step_times(models: Models, batch_sizes: list[int], K: int, context: 
 
     plus `profile`: the start-up profile the adaptive policy would take, so a simulation can give it
     what the engine would."""
-    from peagle_core.bench import Layout, make_runner, synthetic_batch
+    from peagle_core.bench.batches import Layout, make_runner, synthetic_batch
     from peagle_core.engine.profile import profile
 
     target, drafter = models.modules
@@ -884,6 +872,8 @@ def sweep(a: argparse.Namespace, log=print) -> dict[str, Any]:
               "cells": sorted(combine_rounds(cells), key=lambda c: (c["policy"], c["concurrency"])),
               "cells_by_round": sorted(cells, key=lambda c: (c["policy"], c["concurrency"], c.get("round", 0)))}
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({a.shape}, {a.mode})")
+    for line in bar_verdict(result):
+        log(line)
     return result
 
 
@@ -958,6 +948,8 @@ def merge(parts: list[Path], out: Path) -> dict[str, Any]:
               "cells_by_round": sorted(cells, key=lambda c: (c["policy"], c["concurrency"], c.get("round", 0)))}
     write_report(result, out, "sweep", title=f"Adaptive speculation depth: engine sweep ({result['shape']}, "
                  f"{result['mode']}; {len(parts)} runs, one per concurrency range)")
+    for line in bar_verdict(result):
+        print(line, file=sys.stderr, flush=True)
     return result
 
 
@@ -984,6 +976,25 @@ def bar_rows(cells: list[dict[str, Any]], fixed: list[int], concurrency: list[in
             row["beats_kmax_where_not_best"] = None if best == kmax else v > fixed_here[kmax]
         rows.append(row)
     return rows
+
+
+def bar_verdict(result: dict[str, Any]) -> list[str]:
+    """The bar, one line a concurrency: adaptive over the best fixed K (>= 0.97) and over K = max where that is
+    not best (> 1), pass or fail, then the verdict over every level measured."""
+    rows = bar_rows(result["cells"], result["fixed"], result["concurrency"])
+    kmax = f"K{max(result['fixed'])}"
+    lines = []
+    for b in rows:
+        ok = b["meets_097"] and b.get("beats_kmax_where_not_best") in (None, True)
+        vs_kmax = "" if b.get("over_kmax") is None or b.get("kmax_is_best") else f", {b['over_kmax']:.3f} x {kmax}"
+        lines.append(f"[bar] {b['concurrency']:>3} requests: adaptive {b['over_best']:.3f} x best fixed "
+                     f"({b['best_fixed']}){vs_kmax}: {'pass' if ok else 'FAIL'}")
+    missing = [C for C in result["concurrency"] if C not in {b["concurrency"] for b in rows}]
+    met = bool(rows) and not missing and all(line.endswith("pass") for line in lines)
+    lines.append(f"[bar] adaptive >= {BAR_FRACTION} x best fixed K at every concurrency, above {kmax} where it is "
+                 f"not best: {'MET' if met else 'NOT MET'}" + (f" (no adaptive or fixed cells at {missing})"
+                                                              if missing else ""))
+    return lines
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:

@@ -24,7 +24,6 @@ import json
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,9 +33,10 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peagle_core.bench import target_config  # noqa: E402
+from peagle_core.bench.models import target_config  # noqa: E402
 from peagle_core.engine.tp import _gloo, _nccl  # noqa: E402
 from peagle_core.loading.checkpoint import DTYPES  # noqa: E402
+from peagle_core import timing  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -57,29 +57,8 @@ def time_step(pg, x: torch.Tensor, count: int, warmup: int, iters: int) -> list[
 
 
 def time_calls(step, device: torch.device, warmup: int, iters: int) -> list[float]:
-    """ms per call of `step`, `iters` times (captured in a CUDA graph and replayed on GPUs)."""
-    for _ in range(warmup):
-        step()
-    if device.type != "cuda":
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-        return times
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(warmup):
-        graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
+    """ms per call of `step`, `iters` times (captured in a CUDA graph and replayed on GPUs, CUDA events)."""
+    return list(timing.measure(timing.graphed(step, device, warmup=warmup), device, warmup, iters).samples_ms)
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:

@@ -16,8 +16,8 @@
 #   bash benchmarks/gpu_run.sh pair-heads  # two H200s: regenerate ~37k responses, then both heads (carry data/big)
 #   bash benchmarks/gpu_run.sh peagle-layers  # two H200s (or one: head A): the same responses, then P-EAGLE heads (LAYERS_A/B, EXTRA_A/B)
 #   bash benchmarks/gpu_run.sh pair-finetune  # one GPU: the same responses (REGEN_DIR), then both shipped heads continued with EXTRA
-#   bash benchmarks/gpu_run.sh adaptive  # one H200: adaptive-depth sweep, 20B shape (replayed acceptance)
-#   bash benchmarks/gpu_run.sh adaptive-x2  # two H200s: the same sweep, its levels split over the GPUs side by side
+#   bash benchmarks/gpu_run.sh adaptive  # one GPU: adaptive-depth sweep, 20B shape (replayed acceptance), two calls
+#   bash benchmarks/gpu_run.sh adaptive-x2  # two GPUs: the same sweep in one call, its levels split over the GPUs
 #   bash benchmarks/gpu_run.sh tp-graphs  # two H200s: TP=2 with CUDA graphs, tests and TP=1/TP=2 step times
 #   bash benchmarks/gpu_run.sh tp-allreduce  # two H200s: a TP=2 step's all-reduces alone, and their share of it
 #   bash benchmarks/gpu_run.sh tp-paths  # two H200s: NCCL's transport between the GPUs; symmetric-memory one-shot
@@ -36,17 +36,21 @@ fi
 export PYTHONPATH=$PWD:$PWD/kernels:$PWD/cluster:$PWD/loadtest:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt"
-sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive` (settings from the environment; TRACE: the
-             # acceptance trace replayed, e.g. benchmarks/traces/tiny_peagle_k7_stage3.json for the 4-layer head)
+sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive`, by default the settings of the run
+             # docs/benchmarks/adaptive.md cites (the environment overrides them; TRACE: the acceptance trace replayed)
   timeout "${SWEEP_TIMEOUT:-540}" python3 benchmarks/adaptive_sweep.py sweep --shape 20b --device cuda \
-    --replay "${TRACE:-benchmarks/traces/tiny_peagle_k7.json}" --concurrency "$2" --waves "${WAVES:-2}" \
-    --min-requests "${MIN_REQUESTS:-8}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-96}" --prewarm-policy adaptive \
-    --policies "${POLICIES:-K7,K3,K5,adaptive,K1,ema_tiers,batch_table}" --time-budget-s "${SWEEP_BUDGET:-400}" \
-    ${SWEEP_ARGS:-} --out "$1"
+    --replay "${TRACE:-benchmarks/traces/tiny_peagle_k7_stage3.json}" --concurrency "$2" --waves "${WAVES:-6}" \
+    --min-requests "${MIN_REQUESTS:-64}" --rounds "${ROUNDS:-3}" --max-tokens "${MAX_TOKENS:-64}" --prewarm-policy adaptive \
+    --policies "${POLICIES:-K7,K3,adaptive,K5}" --time-budget-s "${SWEEP_BUDGET:-370}" \
+    ${SWEEP_ARGS---warm-policy --warmup-steps 32} --out "$1"
 }
+report20b() {  # DIR: its sweep.{json,md,png} as the files docs/benchmarks/adaptive.md cites (copy them there)
+  for ext in json md png; do cp "$1/sweep.$ext" "$OUT/adaptive_20b_stage3_uniform.$ext" 2>/dev/null; done
+}
+QUIET="C=\|leaked\|nanobind\|skipped remainder"  # per-cell lines and Triton's exit noise: the [bar] lines stay last
 GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
            tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py
-           tests/test_training.py"
+           tests/test_training.py tests/test_timing.py"
 
 train_heads() {  # train_heads DIR [train_pair args]: both tiny heads into DIR; its log and a tarball into $OUT
   local dir=$1 name; name=$(basename "$1"); shift
@@ -170,27 +174,32 @@ case "${1:-}" in
       --context 1024 --scale 30 --out "$OUT/tp" 2>&1 | tail -n 16
     SWEEP_TIMEOUT=${SWEEP_TIMEOUT:-250} SWEEP_BUDGET=${SWEEP_BUDGET:-150} bash "$0" adaptive
     ;;
-  adaptive)  # one H200: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape;
-             # at least MIN_REQUESTS requests per level, ROUNDS interleaved rounds (cells: the median; the spread
-             # between engines built alike was 20% on the H200, 47% for the tiny pair, in single-round sweeps);
-             # SWEEP_ARGS: more sweep flags (later ones win), e.g. "--warm-policy --warmup-steps 32 --prewarm-policy=".
-             # A sweep too long for one call: CONCURRENCY=1,2,4,8 first, then carry the first call's cells/ (from
-             # its sweep20b.tgz) and give SWEEP_CELLS=that dir: the second call keeps them (--resume) and runs the rest
+  adaptive)  # one GPU: the 20B-shape sweep (acceptance replayed), after an unmeasured pass that compiles every shape;
+             # ROUNDS interleaved rounds (cells: the median), at least MIN_REQUESTS requests per level; SWEEP_ARGS:
+             # more sweep flags (later ones win; the default "--warm-policy --warmup-steps 32" when unset). It prints
+             # the bar per concurrency ([bar] lines: adaptive >= 0.97 x the best fixed K, above K7 where K7 is not
+             # best) and leaves $OUT/adaptive_20b_stage3_uniform.{json,md,png}. The whole sweep takes two calls: the
+             # first stops starting policies after SWEEP_BUDGET s; carry its cells/ (from sweep20b.tgz) and give
+             # SWEEP_CELLS=that dir: the second call keeps them (--resume), runs the rest and writes the whole table.
+             # On two GPUs, `adaptive-x2` runs it in one call
     if [ -n "${SWEEP_CELLS:-}" ]; then
-      mkdir -p /tmp/sweep20b/cells && cp "$SWEEP_CELLS"/*.json /tmp/sweep20b/cells/ && SWEEP_ARGS="${SWEEP_ARGS:-} --resume"
+      mkdir -p /tmp/sweep20b/cells && cp "$SWEEP_CELLS"/*.json /tmp/sweep20b/cells/ && SWEEP_ARGS="${SWEEP_ARGS---warm-policy --warmup-steps 32} --resume"
     fi
-    sweep20b /tmp/sweep20b "${CONCURRENCY:-1,2,4,8,16,32,64}" 2>&1 | tee "$OUT/sweep20b.log" | grep -v "C=" | tail -n 12
+    sweep20b /tmp/sweep20b "${CONCURRENCY:-1,2,4,8,16,32,64}" 2>&1 | tee "$OUT/sweep20b.log" | grep -v "$QUIET" | tail -n 12
+    report20b /tmp/sweep20b
     tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b
     ;;
-  adaptive-x2)  # two H200s: the `adaptive` sweep with its levels split over the GPUs, run side by side (CONC0 on
+  adaptive-x2)  # two GPUs: the `adaptive` sweep with its levels split over the GPUs, run side by side (CONC0 on
                 # GPU 0, CONC1 on GPU 1: each level's cells, adaptive and fixed alike, on one GPU), then one report
+                # and its [bar] lines, as `adaptive` leaves them
     for i in 0 1; do
       conc=$([ "$i" = 0 ] && echo "${CONC0:-1,2,4,8}" || echo "${CONC1:-16,32,64}")
       CUDA_VISIBLE_DEVICES=$i sweep20b "/tmp/sweep20b_$i" "$conc" > "$OUT/sweep20b_$i.log" 2>&1 &
     done
     wait
-    python3 benchmarks/adaptive_sweep.py merge /tmp/sweep20b_0 /tmp/sweep20b_1 --out /tmp/sweep20b
+    python3 benchmarks/adaptive_sweep.py merge /tmp/sweep20b_0 /tmp/sweep20b_1 --out /tmp/sweep20b 2>&1 | grep -v "$QUIET"
     grep -h "time budget\|Error\|error" "$OUT"/sweep20b_?.log | tail -n 6
+    report20b /tmp/sweep20b
     tar czf "$OUT/sweep20b.tgz" -C /tmp sweep20b sweep20b_0 sweep20b_1
     ;;
   tp-graphs)  # two H200s: TP=2 with CUDA graphs (the tiny pair's GPU tests; TP_TESTS_K selects some), then unless

@@ -22,8 +22,9 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle_kernels.triton_moe as tm  # noqa: E402
-from peagle_core.bench import build_random, target_config, time_graph  # noqa: E402
+from peagle_core.bench.models import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
+from peagle_core.timing import time_graph  # noqa: E402
 
 # MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k, fma); block_m 0 = T rounded up
 # to a power of two (one M-tile per expert). The first of each list is what `moe_tiles` ships for 2-64 tokens (at one
@@ -72,7 +73,7 @@ def main() -> None:
                 try:
                     with torch.no_grad():
                         err = ((layer(x).float() - want).norm() / want.norm()).item()
-                        us = time_graph(lambda: layer(x))
+                        us = time_graph(lambda: layer(x), torch.device("cuda"))
                     row = {"layer": name, "T": T, "tiles": c, "us": us, "experts": experts,
                            "tb_s": nbytes / us / 1e6, "rel_err": err}
                 except Exception as e:  # a tile the compiler refuses (shared memory, ...)

@@ -5,13 +5,14 @@
 For GPT-OSS-20B's q/k/v (N 5120, K 2880) and o (N 2880, K 4096) projections, with biases, and the tiny
 target's, at M = 1, 8, 16 rows: cuBLAS, then `linear_triton` with each launch shape of TILES (the shipped
 `SHIPPED_TILES` marked). Calls captured in a CUDA graph back to back, as a decode graph runs them,
-cycling through enough weight copies that none is read from L2; best of five replays (`moe_tiles.time_graph`).
+cycling through enough weight copies that none is read from L2; best of five replays (`peagle_core.timing.time_graph`).
 Writes skinny_linear.json and skinny_linear.md (microseconds, read bandwidth, the best shape per row).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from datetime import date
 from pathlib import Path
@@ -20,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gemm_m import cold_weights, time_cold  # noqa: E402
 from peagle_kernels.linear import takes_skinny  # noqa: E402
 from peagle_kernels.triton_linear import SHIPPED_TILES, LinearTiles, linear_triton  # noqa: E402
+from peagle_core.timing import time_graph  # noqa: E402
 
 # GPT-OSS-20B/120B attention (hidden 2880, 64 q heads and 8 kv heads of 64), the same at TP = 2, the tiny target's
 SHAPES = [("20b qkv", 5120, 2880), ("20b o", 2880, 4096), ("tp2 qkv", 2560, 2880), ("tp2 o", 2880, 2048),
@@ -31,6 +32,20 @@ SHAPES = [("20b qkv", 5120, 2880), ("20b o", 2880, 4096), ("tp2 qkv", 2560, 2880
 TILES = [LinearTiles(*t) for t in ((16, 256, 2, 4), (16, 256, 1, 4), (16, 256, 2, 3), (16, 256, 2, 6),
                                    (16, 512, 2, 3), (16, 512, 2, 4), (16, 512, 1, 3), (16, 128, 1, 6),
                                    (16, 128, 2, 8), (32, 256, 2, 4), (32, 512, 4, 3), (16, 256, 4, 4))]
+
+L2_FLUSH_BYTES = 200 << 20  # well past the H200's 50 MB L2
+
+
+def cold_weights(n: int, k: int, scale: float = 1.0) -> list[torch.Tensor]:
+    """Enough bf16 [n, k] weight copies that cycling through them reads none from L2."""
+    copies = max(1, math.ceil(L2_FLUSH_BYTES / (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * scale for _ in range(copies)]
+
+
+def time_cold(call, weights: list[torch.Tensor]) -> float:
+    """Microseconds of `call(w)` back to back in a CUDA graph, cycling through `weights` (`cold_weights`)."""
+    it = iter(range(1 << 62))
+    return time_graph(lambda: call(weights[next(it) % len(weights)]), torch.device("cuda"), reps=2 * len(weights))
 
 
 def main() -> None:

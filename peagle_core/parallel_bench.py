@@ -18,19 +18,18 @@ import datetime
 import json
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from peagle_core.bench import build_random, target_config
+from peagle_core.bench.models import build_random, target_config
 from peagle_core.engine.llm import LLM
 from peagle_core.engine.types import SamplingParams
 from peagle_core.loading.checkpoint import DTYPES, save_target
 from peagle_core.models.gpt_oss import GptOss
+from peagle_core.timing import measure
 
 
 def write_checkpoint(args, device: torch.device, dtype: torch.dtype) -> Path:
@@ -70,15 +69,10 @@ def decode_step_times(llm: LLM, batch: int, args) -> dict:
                             params) for i in range(batch)]
     while any(r.num_computed < r.num_prompt for r in reqs):  # prefill (chunked as the scheduler likes)
         eng.step()
-    times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        eng.step()  # ends with the device-to-host copy of the sampled tokens: a full sync
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    t = measure(eng.step, torch.device(args.device), args.warmup, args.steps, clock="wall")  # the step as served
     for r in reqs:
         eng.abort(r.request_id)
-    return {"batch": batch, "median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
+    return {"batch": batch, "median_ms": t.median_ms, "min_ms": t.min_ms}
 
 
 def run(args) -> dict:

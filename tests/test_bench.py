@@ -2,14 +2,17 @@
 import argparse
 import json
 import math
-import time
 
 import pytest
 import torch
 
 from peagle_core import bench
-from peagle_core.bench import (MXFP4_BITS, Layout, decode_step_bytes, engine_greedy, hf_from_ours, hf_generate,
-                               make_runner, measure, meta_model, target_config)
+from peagle_core.bench import bars, cli, hf as bench_hf, mxfp4
+from peagle_core.bench.batches import Layout, engine_greedy, make_runner
+from peagle_core.bench.hf import hf_from_ours, hf_generate
+from peagle_core.bench.models import MXFP4_BITS, MXFP4_RMS, meta_model, target_config
+from peagle_core.bench.roofline import decode_step_bytes
+from peagle_core.bench.session import Bench
 from peagle_core.loading.checkpoint import init_random_
 from peagle_core.models.gpt_oss import GptOss
 from peagle_core.models.layers import ForwardMeta
@@ -92,7 +95,7 @@ def test_tiny_run_big_shape_is_truncated_and_extrapolated(tiny_run):
 def test_tiny_run_markdown_report(tiny_run):
     out, s, md = tiny_run
     assert s["command"] in md and s["machine"]["torch"] in md
-    for key, *_ in bench.BARS:
+    for key, *_ in bars.BARS:
         assert f"`{key}`" in md
     for title in ("Decode steps", "Verify steps", "Drafter steps", "transformers baseline", "120B shape"):
         assert title in md
@@ -137,7 +140,7 @@ def test_packed_mxfp4_experts_are_priced_at_their_bytes_and_filled_with_sane_sca
     per_expert = 3 * I * H * 17 // 32 + 4 * (2 * I + H)  # 4-bit codes + one scale byte per 32, fp32 biases
     assert b.parts["experts"] == pytest.approx(L * k * per_expert)
     scales = packed.model.layers[0].mlp.experts.w1_scales
-    weight_rms = 2.0 ** (scales.float() - 127).mean() * bench.MXFP4_RMS  # E8M0: 2^(s - 127)
+    weight_rms = 2.0 ** (scales.float() - 127).mean() * MXFP4_RMS  # E8M0: 2^(s - 127)
     assert 0.5 < weight_rms * H ** 0.5 < 2  # about 1/sqrt(fan_in), like the dense random weights
     assert packed.model.layers[0].mlp.experts.w1_blocks.unique().numel() > 200  # random bytes, not zeros
 
@@ -194,14 +197,14 @@ def test_bench_run_with_the_transformers_comparison(tmp_path):
 
 
 def test_packed_shape_full_depth_and_not_run(tmp_path):
-    b = bench.Bench(parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--layers", "1"]),
-                    bench._resolve(parse(["--shape", "tiny", "--device", "cpu", "--max-k", "2"])), tmp_path)
+    b = Bench(parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--layers", "1"]),
+                    cli.resolve(parse(["--shape", "tiny", "--device", "cpu", "--max-k", "2"])), tmp_path)
     b.summary["bandwidth"] = {"tb_s": 1.0}
-    assert "at least 2 layers" in b._packed_decode("tiny-120b")["not_run"]
+    assert "at least 2 layers" in mxfp4.packed_decode(b, "tiny-120b")["not_run"]
     b.args.layers = 0
-    assert b._packed_decode("tiny-120b")["not_run"] == "skipped with --layers 0"
+    assert mxfp4.packed_decode(b, "tiny-120b")["not_run"] == "skipped with --layers 0"
     b.args.layers, b.r["iters"], b.r["warmup"] = 9, 1, 0
-    full = b.packed_shape("tiny-120b")
+    full = mxfp4.packed_shape(b, "tiny-120b")
     assert full["truncated"] is False and full["layers_run"] == 9 and positive(full["tok_s"])
     # the whole model: verify k = 1..max_k against more bytes than a decode step, and the MoE layer alone
     assert list(full["verify"]) == ["1", "2"] and full["verify"]["2"]["bytes"] > full["verify"]["1"]["bytes"]
@@ -211,18 +214,6 @@ def test_packed_shape_full_depth_and_not_run(tmp_path):
     assert s["decode_bs1_roofline_fraction_120b_mxfp4"] == full["roofline_fraction"]
     assert s["moe_mxfp4_tb_s_8_tokens_120b"] == full["moe_layer"]["8"]["tb_s"]
     assert s["verify_k7_roofline_fraction_120b"] is None  # max_k 2: no k = 7 figure, not a made-up one
-
-
-def test_measure_takes_the_median_after_warmup():
-    calls = []
-
-    def fn():
-        calls.append(1)
-        time.sleep(0.02 if len(calls) <= 2 else 0.002)  # slow warm-up calls must not count
-
-    t = measure(fn, torch.device("cpu"), warmup=2, iters=5)
-    assert len(calls) == 7 and t.n == 5
-    assert 2.0 <= t.median_ms < 15.0 and t.min_ms <= t.median_ms <= t.max_ms
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -251,7 +242,7 @@ def test_a_failing_optional_section_is_recorded_and_the_run_completes(tmp_path, 
     def boom(*a, **kw):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(bench, "hf_from_ours", boom)
+    monkeypatch.setattr(bench_hf, "hf_from_ours", boom)
     args = parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--skip-draft", "--skip-120b",
                   "--batch-sizes", "1", "--max-k", "2", "--iters", "1", "--warmup", "0", "--context", "8"])
     assert bench.run(args) == 0
@@ -265,17 +256,17 @@ def test_a_failing_optional_section_is_recorded_and_the_run_completes(tmp_path, 
 def test_packed_decode_retries_shallower_after_running_out_of_memory(tmp_path, monkeypatch):
     tried = []
 
-    def fake(self, full_cfg, depth, layout):
+    def fake(b, full_cfg, depth, layout):
         tried.append(depth)
         if depth > 4:
             raise torch.OutOfMemoryError("CUDA out of memory")
         return {str(depth): 10.0, str(depth // 2): 6.0}, 1000, {}
 
-    monkeypatch.setattr(bench.Bench, "_time_depths", fake)
-    b = bench.Bench(parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--layers", "6"]),
-                    bench._resolve(parse(["--shape", "tiny", "--device", "cpu"])), tmp_path)
+    monkeypatch.setattr(mxfp4, "time_depths", fake)
+    b = Bench(parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--layers", "6"]),
+                    cli.resolve(parse(["--shape", "tiny", "--device", "cpu"])), tmp_path)
     b.summary["bandwidth"] = {"tb_s": 1.0}
-    res = b._packed_decode("tiny-120b")
+    res = mxfp4.packed_decode(b, "tiny-120b")
     assert tried == [6, 4]
     assert res["layers_run"] == 4 and res["truncated"] is True
     assert res["step_ms"] == pytest.approx(10.0 + 5 * (10.0 - 6.0) / 2)  # 9 layers: 5 more at 2 ms each

@@ -184,6 +184,25 @@ def test_combine_rounds_takes_medians_and_keeps_single_cells():
     assert combined["K3"]["rounds"] == 1 and combined["K3"]["throughput_tok_s"] == 5.0
 
 
+def test_the_bar_is_printed_pass_or_fail_per_concurrency():
+    """`gpu_run.sh adaptive` prints these lines: at each level adaptive must reach 0.97 x the best fixed K and beat
+    K7 where K7 is not best; one failing level (or one without cells) fails the whole bar."""
+    def cells(level: dict[int, dict[str, float]]) -> list[dict]:
+        return [{"policy": p, "concurrency": C, "status": "ok", "throughput_tok_s": v}
+                for C, row in level.items() for p, v in row.items()]
+
+    ok = {1: {"K3": 80.0, "K7": 100.0, "adaptive": 98.0}, 64: {"K3": 100.0, "K7": 80.0, "adaptive": 99.0}}
+    lines = S.bar_verdict({"cells": cells(ok), "fixed": [3, 7], "concurrency": [1, 64]})
+    assert [line.split()[1] for line in lines[:2]] == ["1", "64"]
+    assert all(line.endswith("pass") for line in lines[:2]) and lines[-1].endswith(": MET")
+    assert "(K3), 1.238 x K7" in lines[1]  # K7 is not best at 64: the ratio over it is shown
+    slow = {**ok, 1: {**ok[1], "adaptive": 96.0}}  # 0.96 x K7
+    lines = S.bar_verdict({"cells": cells(slow), "fixed": [3, 7], "concurrency": [1, 64]})
+    assert lines[0].endswith("FAIL") and lines[1].endswith("pass") and lines[-1].endswith("NOT MET")
+    lines = S.bar_verdict({"cells": cells(ok), "fixed": [3, 7], "concurrency": [1, 8, 64]})
+    assert "NOT MET" in lines[-1] and "[8]" in lines[-1]  # a level the sweep did not reach is not a pass
+
+
 def test_sweep_replays_acceptance_on_random_weights(tmp_path):
     """The 20B code path at the tiny shape: random weights built on the device, acceptance replayed."""
     out = tmp_path / "replay"

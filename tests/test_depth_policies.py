@@ -307,6 +307,7 @@ def test_grid_profile_keeps_each_cells_fastest_time_so_one_outlier_cannot_flatte
 
     class FakeRunner:
         block_size, max_model_len, vocab_size = 16, 4096, 100
+        device = torch.device("cpu")
         target_cache = torch.zeros(1, 1, 64, 1)  # 64 blocks
 
         def execute(self, batch, draft_len):
@@ -333,6 +334,7 @@ def test_grid_profile_verifies_the_drafters_own_proposals():
 
     class FakeRunner:
         block_size, max_model_len, vocab_size = 16, 4096, 1000
+        device = torch.device("cpu")
         target_cache = torch.zeros(1, 1, 64, 1)
         drafter = object()
 

@@ -7,9 +7,6 @@ slot -1). The policy refines either from live step times, so a profile only need
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from peagle_core.depth.adaptive import StepGrid
@@ -18,6 +15,7 @@ from peagle_core.engine.request import Request
 from peagle_core.engine.scheduler import Scheduled
 from peagle_core.engine.types import SamplingParams
 from peagle_core.models.layers import ForwardMeta
+from peagle_core.timing import measure, measure_cells
 
 
 def _dummy_meta(n: int, device: torch.device) -> ForwardMeta:
@@ -26,18 +24,6 @@ def _dummy_meta(n: int, device: torch.device) -> ForwardMeta:
                        seq_lens=torch.ones(n, dtype=torch.long, device=device),
                        slot_mapping=torch.full((n,), -1, dtype=torch.long, device=device),
                        block_tables=torch.zeros(n, 1, dtype=torch.long, device=device))
-
-
-def _time(fn, reps: int = 3) -> float:
-    fn()  # warm-up
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 @torch.inference_mode()
@@ -49,16 +35,20 @@ def profile(runner: ModelRunner, max_tokens: int) -> tuple[dict[int, float], flo
         sizes.append(n)
         n *= 2
     sizes.append(max_tokens)
+
+    def seconds(fn) -> float:
+        return measure(fn, dev, warmup=1, iters=3, clock="wall").median_ms * 1e-3
+
     points = {}
     for n in sizes:
         ids, meta = torch.zeros(n, dtype=torch.long, device=dev), _dummy_meta(n, dev)
-        points[n] = _time(lambda: runner.target.compute_logits(runner.target(ids, meta)[0]))
+        points[n] = seconds(lambda: runner.target.compute_logits(runner.target(ids, meta)[0]))
     draft = 0.0
     if runner.drafter is not None:
         b = max(1, max_tokens // (runner.K + 1))
         ids, meta = torch.zeros(b, dtype=torch.long, device=dev), _dummy_meta(b, dev)
         h = torch.zeros(b, runner.drafter.config.hidden_size, device=dev, dtype=runner.drafter.fc.weight.dtype)
-        draft = _time(lambda: runner.drafter.compute_logits(runner.drafter(ids, h, meta)[0]))
+        draft = seconds(lambda: runner.drafter.compute_logits(runner.drafter(ids, h, meta)[0]))
     return points, draft
 
 
@@ -108,14 +98,13 @@ def profile_step_grid(runner: ModelRunner, max_batch: int, K: int, context: int 
             proposed = runner.execute([Scheduled(r, 1, 0) for r in reqs[B]], draft_len=K).drafts
             for r, d in zip(reqs[B], proposed):
                 r.drafts = d[:K] + r.drafts[len(d):]
-    batches = {(B, k): [Scheduled(r, 1, k) for r in reqs[B]] for B in sizes for k in range(K + 1)}
-    times = {cell: float("inf") for cell in batches}
-    for timed in [False] + [True] * passes:
-        for (B, k), batch in batches.items():
-            t0 = time.perf_counter()
-            runner.execute(batch, draft_len=k)  # ends in the step's device-to-host copy
-            if timed:
-                times[B, k] = min(times[B, k], time.perf_counter() - t0)
-            for s in batch:  # k = 0 drafted nothing and kept the drafter's inputs: the next cell must not catch up
+    def step(batch: list[Scheduled], k: int):
+        def call() -> None:
+            for s in batch:  # k = 0 drafted nothing and kept the drafter's inputs: this cell must not catch up
                 s.req.behind = None
-    return StepGrid({B: [times[B, k] for k in range(K + 1)] for B in sizes})
+            runner.execute(batch, draft_len=k)  # ends in the step's device-to-host copy
+        return call
+
+    cells = {(B, k): step([Scheduled(r, 1, k) for r in reqs[B]], k) for B in sizes for k in range(K + 1)}
+    times = measure_cells(cells, runner.device, warmup=1, iters=passes, clock="wall")
+    return StepGrid({B: [times[B, k].min_ms * 1e-3 for k in range(K + 1)] for B in sizes})
