@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle_kernels.triton_moe as tm  # noqa: E402
 import peagle_kernels.triton_moe_mxfp4 as mx  # noqa: E402
-from peagle_core.bench import build_random, target_config  # noqa: E402
+from peagle_core.bench.models import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
 VARIANTS = {  # MoeTiles fields as in benchmarks/moe_tiles.py; block_m 0 = T rounded up to a power of two
