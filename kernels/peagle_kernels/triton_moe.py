@@ -211,7 +211,7 @@ class MoeTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1  # MXFP4 at decode sizes: K split over this many programs (triton_moe_mxfp4)
-    fma: int = 0  # MXFP4: 0 = MMA (tl.dot_scaled / decode + tl.dot); 1, 2 = CUDA cores (f32 / fp16-pair decode)
+    fma: bool = False  # MXFP4: GEMVs on CUDA cores (triton_moe_mxfp4_fma) instead of MMA tiles
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:

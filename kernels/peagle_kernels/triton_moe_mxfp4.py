@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.dispatch import interpret_mode, pdl_launch
+from peagle_kernels.triton_moe_mxfp4_fma import moe_down_fma_kernel, moe_up_fma_kernel, perm32
 from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
 from peagle_kernels.triton_moe import (MoeTiles, _expert_rows, _swiglu, _swiglu_store, _weighted_store,
                                        route_and_sort, token_outputs)
@@ -87,61 +88,15 @@ def _mxfp4_step(acc, a, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, BLOC
 
 
 @triton.jit
-def _fp4_pair_values(t, F16: tl.constexpr):
-    """The FP4 codes in bits 0-3 and 16-19 of the int32s t -> (low, high) values as fp32. F16: each pair becomes one
-    int32 holding two fp16 patterns (code bits at 9-11 and 15: the value x 2^-14, subnormal 0.5 included) in two
-    shifts and two masks, so 4 integer operations make 2 weights; the caller multiplies by 2^14. Else each code's
-    fp32 pattern (bits at 22-24 and 31: the value x 2^-126) times 2^126, exact: a multiply keeps the subnormal."""
-    if F16:
-        h = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)  # -0x7FFF8000: the int32 0x80008000
-        lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        lo = (((t & 7) << 22) | ((t & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
-        hi = ((((t >> 16) & 7) << 22) | (((t >> 16) & 8) << 28)).to(tl.float32, bitcast=True) * 8.507059173023462e37
-    return lo, hi
-
-
-@triton.jit
-def _mxfp4_fma_step(acc, a_rows, row_ok, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, F16: tl.constexpr):
-    """acc [BM, BN, BLOCK_K/8] += per-word partial dots a [BM, K-step] . W[n, K-step] on CUDA cores, no MMA.
-
-    For 1-8 token rows an MMA tile is mostly padding, and the FP4 expansion into its operand layout is what the
-    time goes to; here each packed int32 word (8 weights of one row) is decoded where it was loaded, in the
-    layout it was loaded in. Word j's nibble i is weight 8j + i: nibble pairs (i, i + 4) sit 16 bits apart, so
-    one shift of the word lines up two codes. a_rows [BM]: each row's pointer; w_rows [BN]: each weight row's
-    int32 words (K/8 a row); s_rows [BN]: its E8M0 scales (K/32, one per 4 words)."""
-    BW: tl.constexpr = BLOCK_K // 8
-    j = k0 // 8 + tl.arange(0, BW)
-    j_ok = j < K // 8
-    mask = n_ok[:, None] & j_ok[None, :]
-    words = tl.load(w_rows[:, None] + j[None, :], mask=mask, other=0)  # [BN, BW], 0 decodes to 0
-    s = tl.load(s_rows[:, None] + (j // 4)[None, :], mask=mask, other=127).to(tl.int32)
-    scale = ((s << 23) | ((s == 0).to(tl.int32) << 22)).to(tl.float32, bitcast=True)  # 2^(s-127); s=0: subnormal
-    if F16:
-        scale = scale * 16384.0  # the fp16 patterns are the values x 2^-14
-    i4 = tl.arange(0, 4)
-    lo, hi = _fp4_pair_values(words[:, :, None] >> (4 * i4)[None, None, :], F16)  # [BN, BW, 4]: nibbles i, i + 4
-    ka = (8 * j)[:, None] + i4[None, :]  # [BW, 4]
-    a_mask = row_ok[:, None, None] & j_ok[None, :, None]
-    a_lo = tl.load(a_rows[:, None, None] + ka[None, :, :], mask=a_mask, other=0.0).to(tl.float32)  # [BM, BW, 4]
-    a_hi = tl.load(a_rows[:, None, None] + (ka + 4)[None, :, :], mask=a_mask, other=0.0).to(tl.float32)
-    p = tl.sum(lo[None, :, :, :] * a_lo[:, None, :, :] + hi[None, :, :, :] * a_hi[:, None, :, :], axis=3)
-    return acc + p * scale[None, :, :]
-
-
-@triton.jit
 def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_ptr, offsets_ptr,
                          num_experts, hidden, inter, alpha, limit, k_chunk,
                          stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
                          stride_ps, stride_pr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
-                         ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, FMA: tl.constexpr = 0,
-                         USE_PDL: tl.constexpr = False):
+                         ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]) for the expert-sorted rows of this M-tile. With SPLIT > 1,
     program (., ., s) sums only K-chunk s and stores its fp32 partial sums (b1 in chunk 0's) in part[s];
-    `_swiglu_finish_kernel` adds the chunks up. FMA > 0: CUDA cores (`_mxfp4_fma_step`; wb_ptr is the int32 view of
-    the codes, 2 = the fp16-pair decode) over the tile's 2 * BLOCK_N adjacent W1 rows, gate and up interleaved."""
+    `_swiglu_finish_kernel` adds the chunks up."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
@@ -154,30 +109,19 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_p
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
 
-    x_rows = x_ptr + token.to(tl.int64) * stride_xt
+    x_rows = x_ptr + token.to(tl.int64)[:, None] * stride_xt
+    gate_n = (2 * cols).to(tl.int64)
+    gate_b = wb_ptr + e.to(tl.int64) * stride_wbe + gate_n * stride_wbn
+    gate_s = ws_ptr + e.to(tl.int64) * stride_wse + gate_n * stride_wsn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = tl.program_id(2) * k_chunk
-    k_end = tl.minimum(k_begin + k_chunk, hidden)
-    if FMA > 0:
-        n = 2 * tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # W1 rows 2c (gate), 2c + 1 (up)
-        w_rows = wb_ptr + e.to(tl.int64) * stride_wbe + n.to(tl.int64) * stride_wbn
-        s_rows = ws_ptr + e.to(tl.int64) * stride_wse + n.to(tl.int64) * stride_wsn
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N, BLOCK_K // 8], tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            acc = _mxfp4_fma_step(acc, x_rows, row_ok, w_rows, s_rows, n < 2 * inter, k0, hidden, BLOCK_K, FMA == 2)
-        acc_gate, acc_up = tl.split(tl.reshape(tl.sum(acc, 2), (BLOCK_M, BLOCK_N, 2)))
-    else:
-        gate_n = (2 * cols).to(tl.int64)
-        gate_b = wb_ptr + e.to(tl.int64) * stride_wbe + gate_n * stride_wbn
-        gate_s = ws_ptr + e.to(tl.int64) * stride_wse + gate_n * stride_wsn
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            a = tl.load(x_rows[:, None] + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :],
-                        other=0.0)
-            acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
-                                   DOT_SCALED, LHS_FMT, DOT_PREC)
-            acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
-                                 BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, hidden), BLOCK_K):
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
+        acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
+                               DOT_SCALED, LHS_FMT, DOT_PREC)
+        acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
+                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     b_row = b1_ptr + e.to(tl.int64) * stride_be
     if SPLIT == 1:
         _swiglu_store(acc_gate, acc_up, b_row, h_ptr, stride_ht, rows, row_ok, cols, col_ok, alpha, limit)
@@ -195,11 +139,9 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part
                            stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
                            stride_ps, stride_pr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr,
-                           ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, FMA: tl.constexpr = 0,
-                           USE_PDL: tl.constexpr = False):
+                           ONE_TILE: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major (un-permuted). With SPLIT > 1, as the up
-    kernel: fp32 partial sums of K-chunk s in part[s] (b2 in chunk 0's), finished by `_scatter_finish_kernel`.
-    FMA > 0: CUDA cores, as the up kernel."""
+    kernel: fp32 partial sums of K-chunk s in part[s] (b2 in chunk 0's), finished by `_scatter_finish_kernel`."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
@@ -212,22 +154,14 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part
     col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
 
-    h_rows = h_ptr + rows.to(tl.int64) * stride_ht
+    h_rows = h_ptr + rows[:, None].to(tl.int64) * stride_ht
     w_b = wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn
     w_s = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = tl.program_id(2) * k_chunk
-    k_end = tl.minimum(k_begin + k_chunk, inter)
-    if FMA > 0:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 8], tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            acc3 = _mxfp4_fma_step(acc3, h_rows, row_ok, w_b, w_s, col_ok, k0, inter, BLOCK_K, FMA == 2)
-        acc = tl.sum(acc3, 2)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            a = tl.load(h_rows[:, None] + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :],
-                        other=0.0)
-            acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, inter), BLOCK_K):
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
+        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     b_row = b2_ptr + e.to(tl.int64) * stride_be
     if SPLIT == 1:
         _weighted_store(acc, b_row, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
@@ -259,8 +193,9 @@ def _sum_partials(part_ptr, stride_ps, stride_pr, rows, cols, mask, SPLIT: tl.co
 @triton.jit
 def _swiglu_finish_kernel(part_ptr, h_ptr, num_rows, inter, alpha, limit, stride_ps, stride_pr, stride_ht,
                           SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
-    """h[row, c] = clamped-SwiGLU of the up projection's K-chunks summed (gate at 2c, up at 2c + 1)."""
+                          PERM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    """h[row, c] = clamped-SwiGLU of the up projection's K-chunks summed (gate at 2c, up at 2c + 1); PERM: h stored
+    nibble-major, for the CUDA-core down kernel (`triton_moe_mxfp4_fma.perm32`)."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -269,7 +204,8 @@ def _swiglu_finish_kernel(part_ptr, h_ptr, num_rows, inter, alpha, limit, stride
     gate = _sum_partials(part_ptr, stride_ps, stride_pr, rows, 2 * cols, mask, SPLIT)
     up = _sum_partials(part_ptr, stride_ps, stride_pr, rows, 2 * cols + 1, mask, SPLIT)
     h = _swiglu(gate, up, alpha, limit)
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    h_cols = perm32(cols) if PERM else cols
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + h_cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
@@ -331,33 +267,39 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
 
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing, tiles=tiles)
     tiles = r.tiles if split_k is None else dataclasses.replace(r.tiles, split_k=split_k)
-    # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
-    if tiles.fma:  # the CUDA-core path reads each row's codes as int32 words (8 weights each)
-        w1_blocks, w2_blocks = w1_blocks.view(torch.int32).flatten(-2), w2_blocks.view(torch.int32).flatten(-2)
-    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, FMA=tiles.fma, **r.kernel_args(),
-                  LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
-                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
-
     rows = T * top_k
     split = tiles.split_k
-    h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
     y = torch.empty(rows, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
     # K split over `split` programs (decode sizes): fp32 partial sums, K-chunks whole BLOCK_K steps
     part = torch.empty(split, rows, max(2 * inter, H), device=x.device, dtype=torch.float32) if split > 1 else y
     finish = dict(BLOCK_R=min(16, triton.next_power_of_2(rows)), BLOCK_C=128, SPLIT=split, num_warps=4,
                   **pdl_launch(x))
+    # BLOCK_K (64 or more) is a power of two >= 32: whole MXFP4 blocks per K-step
     chunk = lambda k: triton.cdiv(triton.cdiv(k, tiles.block_k), split) * tiles.block_k  # noqa: E731
-
-    _moe_mxfp4_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n), split)](
+    common = dict(BLOCK_K=tiles.block_k, **r.kernel_args(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                  **pdl_launch(x))
+    if tiles.fma:  # CUDA cores: codes read as int32 words; x and h fp32, nibble-major (triton_moe_mxfp4_fma)
+        up_kernel, down_kernel = moe_up_fma_kernel, moe_down_fma_kernel
+        w1_blocks, w2_blocks = w1_blocks.view(torch.int32).flatten(-2), w2_blocks.view(torch.int32).flatten(-2)
+        x = x.view(T, H // 32, 4, 8).transpose(2, 3).float().reshape(T, H)
+        h = torch.empty(rows, inter, device=x.device, dtype=torch.float32)  # expert-sorted rows
+        common.update(ASM=not interpret_mode())
+    else:
+        up_kernel, down_kernel = _moe_mxfp4_up_kernel, _moe_mxfp4_down_kernel
+        h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
+        common.update(DOT_SCALED=dot_scaled, LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"),
+                      DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32")
+    up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n), split)](
         x, w1_blocks, w1_scales, b1, h, part, r.order, r.offsets, E, H, inter, float(alpha), float(limit), chunk(H),
         x.stride(0), w1_blocks.stride(0), w1_blocks.stride(1), w1_scales.stride(0), w1_scales.stride(1),
         b1.stride(0), h.stride(0), part.stride(0), part.stride(1), SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n,
         **common)
     if split > 1:
         _swiglu_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(inter, finish["BLOCK_C"]))](
-            part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0), **finish)
+            part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0),
+            PERM=tiles.fma, **finish)
 
-    _moe_mxfp4_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n), split)](
+    down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n), split)](
         h, w2_blocks, w2_scales, b2, r.gates, y, part, r.order, r.offsets, E, H, inter, chunk(inter),
         h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
         b2.stride(0), y.stride(0), part.stride(0), part.stride(1), SPLIT=split, BLOCK_N=tiles.down_n, **common)
