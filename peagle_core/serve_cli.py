@@ -8,7 +8,6 @@ flags are vLLM's names for what `peagle_cluster.settings` calls the same (`--ser
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import types
 import typing
@@ -81,10 +80,8 @@ def run_serve(ns: argparse.Namespace) -> int:
     from peagle_cluster.app import build_app
 
     app = build_app(serve_args(ns))  # a bad flag value fails here, before Ray starts
-    # Serve's proxy answers for a dead router only with this set before Ray starts (peagle_cluster/failover.py)
-    os.environ.setdefault(failover.CALLBACK_ENV, failover.CALLBACK)
-    try:
-        serve.start(http_options={"host": ns.host, "port": ns.port})
+    try:  # controller_options: the proxy answers for a dead router as in every config (peagle_cluster/failover.py)
+        serve.start(http_options={"host": ns.host, "port": ns.port}, controller_options=failover.CONTROLLER_OPTIONS)
         serve.run(app, name="peagle", route_prefix="/", blocking=True)
     except KeyboardInterrupt:
         pass

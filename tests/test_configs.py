@@ -145,6 +145,18 @@ def test_every_config_reads_the_api_key_and_listens_on_loopback(path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_gives_the_proxy_the_router_failure_middleware(path):
+    """Serve's proxy inherits the controller's runtime_env, which the config's `controller_options` sets: `serve run`
+    alone installs the middleware (tests/test_chaos.py kills a router under it)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from peagle_cluster import failover
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    assert schema.controller_options.runtime_env == failover.CONTROLLER_OPTIONS["runtime_env"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_the_router_always_has_room_to_restart(path):
     """The router's CPUs are reserved in every config: with the engine at its most replicas, a router that dies
     can be placed again (tiny.yaml: on the 2 cores it is written for)."""

@@ -219,8 +219,10 @@ def startup_warnings(settings: AppSettings, http_host: str | None, environ: dict
     env = os.environ if environ is None else environ
     out = []
     if http_host is not None and env.get(failover.CALLBACK_ENV) != failover.CALLBACK:
-        out.append(f"{failover.CALLBACK_ENV} is not {failover.CALLBACK} where Ray started: requests in flight when "
-                   "a router dies get Serve's plain-text 500 and cut streams (docs/cluster.md, Security and failure)")
+        out.append(f"{failover.CALLBACK_ENV} is not {failover.CALLBACK} in Serve's processes: requests in flight when "
+                   "a router dies get Serve's plain-text 500 and cut streams. Add the config's `controller_options` "
+                   "(configs/tiny.yaml) and start Serve afresh: Serve applies them only when it creates its controller "
+                   "(docs/cluster.md, Security and failure)")
     reads = {settings.api_key_env} if settings.api_key_env else set()
     if env.get(KEY_ENV) and KEY_ENV not in reads and not settings.api_key:
         out.append(f"{KEY_ENV} is set but this config does not read it, so the endpoint takes requests without a key: "
