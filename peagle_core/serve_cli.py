@@ -4,17 +4,25 @@ The engine flags are EngineConfig's fields with dashes (`--tensor-parallel-size`
 `--speculative-config JSON`, ...), so a new engine argument gets its flag with no edit here; the serving
 flags are vLLM's names for what `peagle_cluster.settings` calls the same (`--served-model-name`,
 `--api-key`, `--host`, `--port`) plus Ray Serve's `--num-replicas`.
+
+Without RAY_ADDRESS it starts a Ray of its own in Ray's single-node mode, where every port Ray opens (gRPC,
+dashboard, the Prometheus exporters) listens on 127.0.0.1 only; with RAY_ADDRESS it joins that cluster.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
+import sys
 import types
 import typing
 from typing import Any
 
 SERVING_FLAGS = ("served_model_name", "api_key", "num_replicas")
+# Ray's switch for clusters of several nodes, off by default only on macOS and Windows. Off, the node's IP is
+# 127.0.0.1, and Ray binds its gRPC servers and metrics exporters to the node IP (or 0.0.0.0 when it is not
+# loopback). Read once, when `ray` is imported.
+SINGLE_NODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def _kind(annotation: Any) -> tuple[Any, list | None]:
@@ -74,6 +82,9 @@ def serve_args(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_serve(ns: argparse.Namespace) -> int:
+    own_ray = not os.environ.get("RAY_ADDRESS")
+    if own_ray and "ray" not in sys.modules:
+        os.environ.setdefault(SINGLE_NODE_ENV, "0")  # nothing of Ray's listens beyond 127.0.0.1
     import ray
     from ray import serve
 
@@ -81,10 +92,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     from peagle_cluster.app import build_app
 
     app = build_app(serve_args(ns))  # a bad flag value fails here, before Ray starts
-    # Serve's proxy answers for a dead router only with this set before Ray starts (peagle_cluster/failover.py)
-    os.environ.setdefault(failover.CALLBACK_ENV, failover.CALLBACK)
-    try:
-        serve.start(http_options={"host": ns.host, "port": ns.port})
+    try:  # controller_options: the proxy answers for a dead router as in every config (peagle_cluster/failover.py)
+        if own_ray:  # a new local Ray, not one `ray start` left running (its node IP is not loopback)
+            ray.init(address="local")
+        serve.start(http_options={"host": ns.host, "port": ns.port}, controller_options=failover.CONTROLLER_OPTIONS)
         serve.run(app, name="peagle", route_prefix="/", blocking=True)
     except KeyboardInterrupt:
         pass

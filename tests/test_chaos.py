@@ -1,5 +1,7 @@
 """Chaos under load: configs/tiny.yaml's application on 2 CPUs, an engine replica killed, then the router.
 
+Serve starts with tiny.yaml's `controller_options` and nothing in the environment, as `serve run` would.
+
 A steady load of streaming and non-streaming completions runs throughout. Each kill may fail only
 the requests in flight at that moment (or sent in the instant before Serve learns of the death),
 each with a clean answer: an OpenAI error envelope with `Retry-After`, or for a stream an SSE error
@@ -37,9 +39,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+TINY = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+
+
 def _args() -> dict:
     """tiny.yaml's args as shipped (resources, api_key_env), with two fixed engine replicas."""
-    args = copy.deepcopy(yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["applications"][0]["args"])
+    args = copy.deepcopy(TINY["applications"][0]["args"])
     dep = args["deployment"]
     dep.pop("autoscaling_config")
     dep.update(num_replicas=2, health_check_period_s=2, graceful_shutdown_timeout_s=5)
@@ -55,12 +60,12 @@ def cluster():
     from peagle_cluster.app import build_app
 
     saved = {k: os.environ.get(k) for k in (failover.CALLBACK_ENV, "PEAGLE_API_KEY")}
-    os.environ[failover.CALLBACK_ENV] = failover.CALLBACK  # read by the proxy Ray starts below
-    os.environ.pop("PEAGLE_API_KEY", None)
+    for k in saved:  # the middleware must come from tiny.yaml's controller_options alone, as with `serve run`
+        os.environ.pop(k, None)
     port = _free_port()
     try:
         ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=_free_port(), logging_level="WARNING")
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=TINY["controller_options"])
         serve.run(build_app(_args()), name="peagle", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -181,6 +181,53 @@ def test_bad_input_status_and_envelope_over_http(cluster, name, body, headers, s
     assert "Traceback" not in r.text
 
 
+def test_every_hostile_case_gets_its_4xx_envelope_beside_unharmed_requests(cluster):
+    """Issue 57's attack as a table (tests/hostile_cases.py, 300+ named cases): each gets the 4xx it names in
+    OpenAI's envelope, no traceback, within seconds, while greedy requests beside them keep their exact text and
+    no replica counts an engine error."""
+    from hostile_cases import CASES
+
+    good = {"prompt": "a quiet", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+    alone = httpx.post(cluster["url"] + "/v1/completions", json=good, headers=AUTH, timeout=60).json()
+    errors_before = sum(r["errors"] for r in _wait(lambda: _idle(cluster), 30, "idle cluster")["replicas"])
+
+    async def attack():
+        gate, done, beside, wrong = asyncio.Semaphore(8), asyncio.Event(), [], []
+        async with httpx.AsyncClient(base_url=cluster["url"], timeout=30) as c:
+            async def normal():
+                while not done.is_set():
+                    beside.append(await c.post("/v1/completions", json=good, headers=AUTH))
+
+            async def hostile(case):
+                async with gate:
+                    try:
+                        r = await c.request(case.method, case.path, content=case.body, headers=AUTH | case.headers)
+                    except httpx.TimeoutException:
+                        return wrong.append((case.name, "hung"))
+                    except httpx.HTTPError as e:
+                        return wrong.append((case.name, repr(e)))
+                    try:
+                        err = r.json()["error"]
+                        enveloped = set(err) == {"message", "type", "param", "code"} and err["message"]
+                    except Exception:
+                        enveloped = False
+                    if r.status_code != case.status or not enveloped or "Traceback" in r.text:
+                        wrong.append((case.name, r.status_code, r.text[:160]))
+            users = [asyncio.create_task(normal()) for _ in range(2)]
+            await asyncio.gather(*(hostile(case) for case in CASES))
+            done.set()
+            await asyncio.gather(*users)
+        return beside, wrong
+    t0 = time.time()
+    beside, wrong = asyncio.run(attack())
+    print(f"{len(CASES)} hostile cases and {len(beside)} requests beside them in {time.time() - t0:.1f}s")
+    assert not wrong, wrong
+    assert beside and all(r.status_code == 200 for r in beside), [r.text[:160] for r in beside if r.status_code != 200]
+    assert all(r.json()["choices"][0]["text"] == alone["choices"][0]["text"] for r in beside)
+    idle = _wait(lambda: _idle(cluster), 30, "idle cluster")
+    assert sum(r["errors"] for r in idle["replicas"]) == errors_before
+
+
 def test_a_stalled_body_gets_a_408_through_the_proxy(cluster):
     """Slowloris: headers promise 1000 bytes, 11 arrive; the answer comes after body_read_timeout_s, not minutes."""
     host, port = cluster["url"].removeprefix("http://").split(":")

@@ -145,6 +145,18 @@ def test_every_config_reads_the_api_key_and_listens_on_loopback(path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_gives_the_proxy_the_router_failure_middleware(path):
+    """Serve's proxy inherits the controller's runtime_env, which the config's `controller_options` sets: `serve run`
+    alone installs the middleware (tests/test_chaos.py kills a router under it)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from peagle_cluster import failover
+
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    assert schema.controller_options.runtime_env == failover.CONTROLLER_OPTIONS["runtime_env"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_the_router_always_has_room_to_restart(path):
     """The router's CPUs are reserved in every config: with the engine at its most replicas, a router that dies
     can be placed again (tiny.yaml: on the 2 cores it is written for)."""
@@ -165,7 +177,7 @@ def test_serve_run_warns_of_an_unread_key_and_of_an_open_endpoint_without_one():
     from peagle_cluster.settings import startup_warnings
 
     def exposure_warnings(settings, host, env):
-        return startup_warnings(settings, host, env | {failover.CALLBACK_ENV: failover.CALLBACK})
+        return startup_warnings(settings, host, env | {failover.CALLBACK_ENV: failover.CALLBACK}, node_ip="127.0.0.1")
 
     bare, reads = parse_app_args({"model": "tiny"}), parse_app_args({"model": "tiny", "api_key_env": "PEAGLE_API_KEY"})
     key = {"PEAGLE_API_KEY": "k"}
@@ -174,7 +186,11 @@ def test_serve_run_warns_of_an_unread_key_and_of_an_open_endpoint_without_one():
     assert exposure_warnings(reads, "127.0.0.1", {}) == []  # an open endpoint on loopback: the default, no warning
     assert "without a key" in " ".join(exposure_warnings(reads, "0.0.0.0", {}))
     assert len(exposure_warnings(bare, "10.0.0.5", key)) == 2
-    assert "plain-text 500" in " ".join(startup_warnings(reads, "127.0.0.1", {}))  # no failover middleware
+    assert "plain-text 500" in " ".join(startup_warnings(reads, "127.0.0.1", {}, node_ip="127.0.0.1"))  # no middleware
+    # Ray's ports beyond a loopback endpoint (a node IP that is not loopback): the single-node remedy is named.
+    ok = {failover.CALLBACK_ENV: failover.CALLBACK}
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in " ".join(startup_warnings(reads, "127.0.0.1", ok, node_ip="10.0.0.5"))
+    assert startup_warnings(reads, "127.0.0.1", ok, node_ip="127.0.0.1") == []
 
 
 # --------------------------------------------------------------------------------------------

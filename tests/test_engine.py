@@ -190,6 +190,12 @@ def test_sampling_values_the_engine_cannot_use_are_refused_at_admission_naming_t
     with pytest.raises(ValueError) as e:
         eng.add_request("c", [1, 2], params)
     assert e.value.param == "seed"
+    # Token ids the step indexes the logits with: min_tokens masks the stop ids, logit_bias adds to its ids.
+    for name, kw in (("stop_token_ids", {"stop_token_ids": [vocab], "min_tokens": 1}),
+                     ("logit_bias", {"logit_bias": {vocab: 1.0}})):
+        with pytest.raises(ValueError, match=name) as e:
+            eng.add_request(name, [1, 2], SamplingParams(max_tokens=2, **kw))
+        assert e.value.param == name
     while eng.has_work():
         eng.step()
     assert eng.blocks.num_free == eng.blocks.num_blocks

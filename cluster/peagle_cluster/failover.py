@@ -7,11 +7,11 @@ then: an unanswered request gets OpenAI's error envelope as a 503 with `Retry-Af
 stream gets an error event and `data: [DONE]`, and the proxy's own plain-text errors (no replica
 yet, queue full, timeout) become envelopes too.
 
-Serve reads proxy middlewares from an import path in the environment of the node's Ray processes,
-so it is set before Ray starts:
-
-    export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=peagle_cluster.failover:proxy_middlewares
-    serve run configs/tiny.yaml
+Serve's proxy reads its middlewares from an import path in its own environment
+(`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`). The proxy is created by the Serve controller and inherits
+the controller's `runtime_env`, which a Serve config sets with its top-level `controller_options` (every
+config in configs/ does; `peagle serve` passes CONTROLLER_OPTIONS), so `serve run configs/tiny.yaml`
+needs nothing in the shell. Serve applies controller options only when it creates its controller.
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ log = logging.getLogger("peagle.cluster")
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "peagle_cluster.failover:proxy_middlewares"
 RETRY_AFTER_S = 1
+# `controller_options` of a Serve config / `serve.start`: the proxy inherits the controller's env_vars
+CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": {CALLBACK_ENV: CALLBACK}}}
 
 
 def proxy_middlewares() -> list:
@@ -95,7 +97,7 @@ class RouterFailureMiddleware:
         status = held["status"]
         text = state["body"].decode("utf-8", "replace").strip() or "The server could not handle the request."
         extra = [(k, v) for k, v in held.get("headers") or [] if k.lower() in (b"retry-after",)]
-        code = {503: "service_unavailable", 408: "timeout", 429: "rate_limited"}.get(status, "server_error")
+        code = {503: "service_unavailable", 408: "timeout", 429: "rate_limited", 404: "not_found"}.get(status, "server_error")
         await _send_json(send, status, envelope(status, echo(text, 300), code), extra)
         state["started"] = state["ended"] = True
 

@@ -79,6 +79,7 @@ def validation_error(e: ValidationError) -> APIError:
 # Bounds no real request reaches: the engine refuses what its model cannot do (context, vocabulary) by name.
 MAX_TOKENS = 2**31 - 1
 MAX_TOP_K = 2**31 - 1
+MAX_TOKEN_ID = 2**31 - 1  # then bounded by the vocabulary in the engine
 MAX_PROMPTS = 64  # prompts in one completions request
 _EXACT = "exact under speculative verification (each verified position uses its own history)"
 _NO_STRUCTURED = "no structured output yet"
@@ -87,7 +88,7 @@ _NO_STRUCTURED = "no structured output yet"
 class _Request(BaseModel):
     # strict: no "0.5" -> 0.5 coercion (OpenAI rejects it too); forbid: a field nobody declares is refused
     # by name, never dropped (fields.py; docs/cluster.md has the table of every declared field)
-    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(strict=True, extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     model: str | None = honoured("must name the served model (404 otherwise)")
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS)] | None = honoured(
@@ -99,7 +100,8 @@ class _Request(BaseModel):
     seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1)] | None = honoured(
         "a per-request generator: the same seed gives the same text; any 64-bit seed, signed or not")
     stop: str | list[str] | None = honoured("at most 4 strings; the text ends before the one found (see `include_stop_str_in_output`)")
-    stop_token_ids: list[int] | None = honoured("vLLM's: extra token ids that end the completion")
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = honoured(
+        "vLLM's: extra token ids that end the completion")
     ignore_eos: bool | None = honoured("vLLM's: keep generating past end-of-turn tokens")
     stream: bool | None = honoured("server-sent events ending in `data: [DONE]`", default=False)
     stream_options: "StreamOptions | None" = honoured("`include_usage` adds the usage chunk")
@@ -154,7 +156,7 @@ class _Request(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v and not all(t.isdigit() for t in v):
+        if v and not all(t.isascii() and t.isdigit() for t in v):  # "١٢" is isdigit() and int() reads it
             raise ValueError("logit_bias keys must be token ids (non-negative integers written as strings)")
         return v
 

@@ -210,27 +210,52 @@ class AppSettings(_Strict):
 KEY_ENV = "PEAGLE_API_KEY"  # the variable every shipped config names in api_key_env
 
 
-def startup_warnings(settings: AppSettings, http_host: str | None, environ: dict[str, str] | None = None) -> list[str]:
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def startup_warnings(settings: AppSettings, http_host: str | None, environ: dict[str, str] | None = None,
+                     node_ip: str | None = None) -> list[str]:
     """What the router says at start (its log reaches the `serve run` console) about an endpoint more open than
     its user may think, a key variable set but not read by this config or an endpoint beyond loopback without a
-    key, and about a proxy without the router-failure middleware (`peagle_cluster.failover`)."""
+    key, Ray's own ports open beyond a loopback endpoint, and about a proxy without the router-failure middleware
+    (`peagle_cluster.failover`)."""
     from peagle_cluster import failover
 
     env = os.environ if environ is None else environ
+    node_ip = node_ip or ray_node_ip()
     out = []
+    if http_host in LOOPBACK_HOSTS and node_ip and node_ip not in LOOPBACK_HOSTS:
+        out.append(f"Serve listens on {http_host} but Ray's own ports do not: its Prometheus exporters (our metrics, the "
+                   "node IP, the session name) and its gRPC servers listen on all interfaces. On one machine, "
+                   "start Ray in its single-node mode, where all of them bind 127.0.0.1: "
+                   "`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 serve run ...`; on several, firewall them "
+                   "(docs/cluster.md, Security and failure)")
     if http_host is not None and env.get(failover.CALLBACK_ENV) != failover.CALLBACK:
-        out.append(f"{failover.CALLBACK_ENV} is not {failover.CALLBACK} where Ray started: requests in flight when "
-                   "a router dies get Serve's plain-text 500 and cut streams (docs/cluster.md, Security and failure)")
+        out.append(f"{failover.CALLBACK_ENV} is not {failover.CALLBACK} in Serve's processes: requests in flight when "
+                   "a router dies get Serve's plain-text 500 and cut streams. Add the config's `controller_options` "
+                   "(configs/tiny.yaml) and start Serve afresh: Serve applies them only when it creates its controller "
+                   "(docs/cluster.md, Security and failure)")
     reads = {settings.api_key_env} if settings.api_key_env else set()
     if env.get(KEY_ENV) and KEY_ENV not in reads and not settings.api_key:
         out.append(f"{KEY_ENV} is set but this config does not read it, so the endpoint takes requests without a key: "
                    f"add `api_key_env: {KEY_ENV}` to the application's args")
     keyed = bool(settings.api_key or (settings.api_key_env and env.get(settings.api_key_env)))
-    if http_host is not None and http_host not in ("127.0.0.1", "localhost", "::1") and not keyed:
+    if http_host is not None and http_host not in LOOPBACK_HOSTS and not keyed:
         out.append(f"the OpenAI endpoint listens on {http_host} (beyond this machine) and takes requests without a "
                    f"key: export {settings.api_key_env or KEY_ENV} before `serve run`, or bind http_options.host to "
                    "127.0.0.1")
     return out
+
+
+def ray_node_ip() -> str | None:
+    """This process's Ray node IP (None outside Ray): unless it is loopback, Ray's gRPC servers and metrics
+    exporters listen on all interfaces."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else None
+    except Exception:  # no warning rather than a failed start
+        return None
 
 
 def serve_http_host() -> str | None:

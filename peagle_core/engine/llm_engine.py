@@ -174,8 +174,7 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        self._check_token_ids(params, vocab)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token must fit)")
@@ -187,6 +186,16 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text)
         req.generator = generator
         return req
+
+    @staticmethod
+    def _check_token_ids(params: SamplingParams, vocab: int) -> None:
+        """Token ids a step indexes logits with (logit_bias, and stop_token_ids while min_tokens holds them back):
+        one out of the vocabulary would fail the whole step, so it refuses this request alone."""
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                err = ValueError(f"{name} token ids must be integers in [0, {vocab})")
+                err.param = name
+                raise err
 
     def _sampling_setup(self, params: SamplingParams, vocab: int) -> torch.Generator | None:
         """Check the request's sampling values as a step will use them, and seed its generator: a ValueError
