@@ -21,15 +21,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle_kernels.triton_moe as tm  # noqa: E402
 import peagle_kernels.triton_moe_mxfp4 as mx  # noqa: E402
+import peagle_kernels.triton_moe_mxfp4_fma as fma  # noqa: E402
 from peagle_core.bench.models import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
 VARIANTS = {  # MoeTiles fields as in benchmarks/moe_tiles.py; block_m 0 = T rounded up to a power of two
     "mma-shipped": None,
-    "fma-f32": (0, 16, 16, 128, 2, 1, 1, 1),
-    "fma-fp16pair": (0, 16, 16, 128, 2, 1, 1, 2),
+    "fma": (0, 8, 16, 128, 2, 1, 1, True),
 }
-KERNELS = ("_moe_mxfp4_up_kernel", "_moe_mxfp4_down_kernel")
+KERNELS = ("_moe_mxfp4_up_kernel", "_moe_mxfp4_down_kernel", "moe_up_fma_kernel", "moe_down_fma_kernel")
 
 
 def compiled_kernels(fn) -> list:
@@ -69,7 +69,7 @@ def main() -> None:
                 layer(x)
             torch.cuda.synchronize()
             for kname in KERNELS:
-                for ck in compiled_kernels(getattr(mx, kname)):
+                for ck in compiled_kernels(getattr(mx, kname, None) or getattr(fma, kname)):
                     if id(ck) in seen:
                         continue
                     seen.add(id(ck))

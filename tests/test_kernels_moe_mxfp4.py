@@ -245,7 +245,7 @@ def test_cuda_core_path_bf16_cuda(mx_cuda, T):
     """The CUDA-core path compiled, at the GPT-OSS layer shape (its decode is bit moves and conversions the
     interpreter only imitates)."""
     p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
-    tiles = mx_cuda.MoeTiles(max(1, 1 << (T - 1).bit_length()), 16, 16, 128, 2, 1, split_k=2 if T == 1 else 1, fma=True)
+    tiles = mx_cuda.MoeTiles(max(1, 1 << (T - 1).bit_length()), 8, 16, 128, 2, 1, split_k=2 if T == 1 else 1, fma=True)
     out = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, tiles=tiles)
     ref = fp32_oracle(p, 4)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)

@@ -30,12 +30,14 @@ def perm32(k):
 
 
 @triton.jit
-def _fp16_pairs(t, ASM: tl.constexpr):
-    """The FP4 codes in bits 0-3 and 16-19 of the int32s t -> (low, high) values x 2^-14 as fp32: each code's
-    magnitude bits go to an fp16's bits 9-11 and its sign to bit 15 (0.5, the E2M1 subnormal, lands on the fp16
-    subnormal 2^-15, so no case is special). ASM (compiled): each half converted where it sits (the conversion
-    reads a register's half), not masked and shifted out first; the interpreter runs the same steps in Triton."""
-    h = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)  # -0x7FFF8000: the int32 0x80008000
+def _fp16_pairs(w, I: tl.constexpr, ASM: tl.constexpr):
+    """Nibbles I and I + 4 of the int32 words w (FP4 codes, 16 bits apart) -> their values x 2^-14 as fp32 (low,
+    high): each code's magnitude bits move to an fp16's bits 9-11 and its sign to bit 15, both codes at once (0.5,
+    the E2M1 subnormal, lands on the fp16 subnormal 2^-15, so no case is special). Two shifts and two masks make two
+    weights. ASM (compiled): each half converted where it sits (the conversion reads a register's half); the
+    interpreter runs the same steps in Triton."""
+    mag = w << (9 - 4 * I) if I < 3 else w >> (4 * I - 9)
+    h = (mag & 0x0E000E00) | ((w << (12 - 4 * I)) & -0x7FFF8000)  # -0x7FFF8000: the int32 0x80008000
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b16 l, u; mov.b32 {l, u}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, u; }",
@@ -47,30 +49,50 @@ def _fp16_pairs(t, ASM: tl.constexpr):
 
 
 @triton.jit
+def _k_step(acc, a_row, w_rows, s_rows, n_ok, k0, K, BLOCK_R: tl.constexpr, BW: tl.constexpr, TAIL: tl.constexpr,
+            ASM: tl.constexpr):
+    """acc [BLOCK_R, BW/4] += the K-step at k0's per-block dot products, scaled. Only the TAIL step (past K) masks K
+    (weights 0 there, activations 0 too: 0 x garbage could be NaN); rows past N load garbage nobody stores."""
+    j = k0 // 8 + tl.arange(0, BW)
+    b = k0 // 32 + tl.arange(0, BW // 4)
+    a_at = a_row + 32 * (j // 4) + j % 4  # nibble 0 of word j; nibble i is 4i further (nibble-major)
+    a_at = a_at[None, :] + tl.zeros([BLOCK_R, 1], tl.int32)  # the same for every row: loads laid out as the words
+    # one scale a thread: loaded in the layout the block sums come in (no shuffle through shared memory)
+    s_at = tl.max_contiguous(s_rows[:, None] + b[None, :], [1, 1])
+    if TAIL:
+        j_ok = (j // 4 < K // 32)[None, :]  # whole blocks: constant over a block's 4 words (vector loads stay)
+        words = tl.load(w_rows[:, None] + j[None, :], mask=n_ok[:, None] & j_ok, other=0)
+        s = tl.load(s_at, mask=n_ok[:, None] & (b < K // 32)[None, :], other=127)
+    else:
+        words = tl.load(w_rows[:, None] + j[None, :], mask=n_ok[:, None])
+        s = tl.load(s_at, mask=n_ok[:, None])
+    p = tl.zeros([BLOCK_R, BW], tl.float32)
+    for i in tl.static_range(4):
+        lo, hi = _fp16_pairs(words, i, ASM)
+        if TAIL:
+            p += lo * tl.load(a_at + 4 * i, mask=j_ok, other=0.0)
+            p += hi * tl.load(a_at + 4 * i + 16, mask=j_ok, other=0.0)
+        else:
+            p += lo * tl.load(a_at + 4 * i)
+            p += hi * tl.load(a_at + 4 * i + 16)
+    s = s.to(tl.int32)
+    scale = ((s << 23) | ((s == 0).to(tl.int32) << 22)).to(tl.float32, bitcast=True)  # 2^(s-127); 0: subnormal
+    return acc + tl.sum(tl.reshape(p, (BLOCK_R, BW // 4, 4)), 2) * scale
+
+
+@triton.jit
 def _rows_dot(a_row, w_rows, s_rows, n_ok, k_begin, k_end, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
               ASM: tl.constexpr):
     """[BLOCK_R] fp32: each packed weight row (w_rows: int32 words, K/8 a row; s_rows: E8M0 bytes, K/32 a row) dotted
-    with the activation row a_row (fp32, nibble-major: `perm32`) over K in [k_begin, k_end)."""
+    with the activation row a_row (fp32, nibble-major: `perm32`) over K in [k_begin, k_end); k_begin is a multiple
+    of BLOCK_K, so a's 4-element runs are aligned."""
     BW: tl.constexpr = BLOCK_K // 8  # words a K-step
     acc = tl.zeros([BLOCK_R, BW // 4], tl.float32)
-    rows0 = tl.zeros([BLOCK_R, 1], tl.int32)
-    for k0 in range(k_begin, k_end, BLOCK_K):  # k_begin a multiple of BLOCK_K: a's 4-element runs are aligned
-        j = k0 // 8 + tl.arange(0, BW)
-        j_ok = j // 4 < K // 32  # whole blocks: the mask is constant over a block's 4 words
-        words = tl.load(w_rows[:, None] + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
-        a_at = a_row + 32 * (j // 4) + j % 4  # nibble 0 of word j; nibble i is 4i further
-        p = tl.zeros([BLOCK_R, BW], tl.float32)
-        for i in tl.static_range(4):
-            lo, hi = _fp16_pairs(words >> (4 * i), ASM)
-            # [BLOCK_R, BW] pointers (the same for every row) so the loads take the words' layout
-            p += lo * tl.load(a_at[None, :] + 4 * i + rows0, mask=j_ok[None, :], other=0.0)
-            p += hi * tl.load(a_at[None, :] + 4 * i + 16 + rows0, mask=j_ok[None, :], other=0.0)
-        # one scale a thread: loaded in the layout the block sums come in (so no shuffle through shared memory)
-        b = k0 // 32 + tl.arange(0, BW // 4)
-        s_at = tl.max_contiguous(s_rows[:, None] + b[None, :], [1, 1])
-        s = tl.load(s_at, mask=n_ok[:, None] & (b < K // 32)[None, :], other=0).to(tl.int32)
-        scale = ((s << 23) | ((s == 0).to(tl.int32) << 22)).to(tl.float32, bitcast=True)  # 2^(s-127); 0: subnormal
-        acc += tl.sum(tl.reshape(p, (BLOCK_R, BW // 4, 4)), 2) * scale
+    k_full = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
+    for k0 in range(k_begin, k_full, BLOCK_K):
+        acc = _k_step(acc, a_row, w_rows, s_rows, n_ok, k0, K, BLOCK_R, BW, False, ASM)
+    if k_full < k_end:
+        acc = _k_step(acc, a_row, w_rows, s_rows, n_ok, k_full, K, BLOCK_R, BW, True, ASM)
     return tl.sum(acc, 1) * 16384.0  # the fp16 patterns were the values x 2^-14
 
 
@@ -95,7 +117,7 @@ def moe_up_fma_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_ptr,
         tl.extra.cuda.gdc_wait()
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
     n = 2 * tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    w_rows = wb_ptr + e.to(tl.int64) * stride_wbe + n.to(tl.int64) * tl.multiple_of(stride_wbn, 4)  # 16-byte rows
+    w_rows = tl.multiple_of(wb_ptr + e.to(tl.int64) * stride_wbe + n.to(tl.int64) * stride_wbn, 16)  # 16-byte rows
     s_rows = ws_ptr + e.to(tl.int64) * stride_wse + n.to(tl.int64) * stride_wsn
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -131,7 +153,7 @@ def moe_down_fma_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part_pt
     e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    w_rows = wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * tl.multiple_of(stride_wbn, 4)
+    w_rows = tl.multiple_of(wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn, 16)
     s_rows = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
     b_row = b2_ptr + e.to(tl.int64) * stride_be
     k_begin = tl.program_id(2) * (k_chunk // BLOCK_K) * BLOCK_K
