@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle_kernels.triton_moe as tm  # noqa: E402
 import peagle_kernels.triton_moe_mxfp4 as mx  # noqa: E402
-import peagle_kernels.triton_moe_mxfp4_fma as fma  # noqa: E402
 from peagle_core.bench.models import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 
@@ -69,7 +68,7 @@ def main() -> None:
                 layer(x)
             torch.cuda.synchronize()
             for kname in KERNELS:
-                for ck in compiled_kernels(getattr(mx, kname, None) or getattr(fma, kname)):
+                for ck in compiled_kernels(getattr(mx, kname)):
                     if id(ck) in seen:
                         continue
                     seen.add(id(ck))

@@ -211,10 +211,15 @@ class MoeTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1  # MXFP4 at decode sizes: K split over this many programs (triton_moe_mxfp4)
-    fma: bool = False  # MXFP4: GEMVs on CUDA cores (triton_moe_mxfp4_fma) instead of MMA tiles
+    fma: bool = False  # MXFP4: GEMVs on CUDA cores (triton_moe_mxfp4) instead of MMA tiles
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
+    if mxfp4 and num_tokens <= 8:
+        # Packed experts at decode sizes: GEMVs on CUDA cores (triton_moe_mxfp4), 16 weight rows a program of two
+        # warps (one row a thread), K split in two up to 2 tokens for more loads in flight.
+        return MoeTiles(triton.next_power_of_2(num_tokens), 8, 16, 128, 2, 1, split_k=2 if num_tokens <= 2 else 1,
+                        fma=True)
     if mxfp4 and num_tokens <= 64:
         # Packed experts, measured on an H100 at the 120B and 20B shapes (docs/benchmarks/moe_tiles.md): two warps
         # and 32-wide N tiles through 64 tokens (1.36-1.47x the grouped tiles below at 64), K split in two at one
