@@ -19,6 +19,7 @@ import torch
 
 from peagle_core import LLM, SamplingParams
 from peagle_core.engine import tp
+from peagle_core.engine.allreduce import BUFFER_BYTES, ONE_SHOT_MAX_BYTES, path_for
 from peagle_core.engine.graphs import GraphRunner
 from peagle_core.engine.memory import weight_bytes
 from peagle_core.engine.model_runner import StepResult
@@ -479,6 +480,32 @@ def test_allreduce_bench_times_two_all_reduces_a_layer_and_their_share_of_the_st
     assert one["ms_per_step"] > 0 and one["share_of_step"] == pytest.approx(one["ms_per_step"] / 500.0)
     assert "share_of_step" not in three  # no step time for batch 3
     assert "| 1 |" in (tmp_path / "allreduce.md").read_text()
+
+
+def test_all_reduce_paths_by_message_size():
+    """Symmetric memory: one-shot for a decode step's messages, two-shot up to the buffer, the process group beyond,
+    for sizes its 16-byte vectors cannot cover, and always without symmetric memory (CPU)."""
+    row = 2880 * 2  # one token's hidden state, bf16
+    assert path_for(row, True) == path_for(64 * row, True) == "one_shot"
+    assert path_for(256 * row, True) == "two_shot" and path_for(ONE_SHOT_MAX_BYTES + 16, True) == "two_shot"
+    assert path_for(BUFFER_BYTES + 16, True) == "group" and path_for(row + 2, True) == "group"
+    assert path_for(row, False) == "group"
+
+
+def test_allreduce_benchmark_checks_sums_on_the_fallback(tmp_path):
+    """`benchmarks/allreduce.py` on CPU: two gloo ranks, `AllReduce` asked for symmetric memory falls back to the
+    process group (which says why), and both sum rank-valued inputs exactly."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import allreduce
+
+    assert allreduce.main(["--tp", "2", "--device", "cpu", "--dtype", "float32", "--hidden", "64", "--tokens", "1,3",
+                           "--count", "2", "--warmup", "1", "--iters", "2", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "allreduce_by_size.json").read_text())
+    assert [row["tokens"] for row in r["rows"]] == [1, 3] and all(row["sums_exact"] for row in r["rows"])
+    assert {row["path"] for row in r["rows"]} == {"group"} and "needs CUDA" in r["ours"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from peagle_core.config import EngineConfig, GptOssConfig
+from peagle_core.engine.allreduce import AllReduce, mode_from_env
 from peagle_core.engine.graphs import target_graph_set
 from peagle_core.engine.memory import bind_kv_cache, cache_bytes_per_block, freeze_heap, kv_budget_bytes, weight_bytes
 from peagle_core.loading.checkpoint import Shard, load_target, read_json
@@ -166,9 +167,11 @@ def _nccl(store: dist.Store, rank: int, world: int, timeout: dt.timedelta):
 
 class Communicator:
     """Two groups: `ctrl` (gloo, CPU) carries rank 0's headers and may wait as long as the engine idles;
-    `compute` (NCCL on GPUs, gloo on CPU, with the collective timeout) carries tensors and all-reduces."""
+    `compute` (NCCL on GPUs, gloo on CPU, with the collective timeout) carries tensors and all-reduces, the latter
+    through `allreduce.AllReduce` (symmetric memory for small messages with `allreduce` "symm")."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, host: str, timeout_s: float):
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, host: str, timeout_s: float,
+                 dtype: torch.dtype = torch.float32, allreduce: str = "nccl"):
         self.rank, self.world, self.device = rank, world, device
         self.timeout = timeout = dt.timedelta(seconds=timeout_s)
         self.ctrl = _gloo(dist.PrefixStore("ctrl", store), rank, world, host, timeout)  # bounded rendezvous
@@ -177,10 +180,16 @@ class Communicator:
             self.compute = _nccl(dist.PrefixStore("compute", store), rank, world, timeout)
         else:
             self.compute = _gloo(dist.PrefixStore("compute", store), rank, world, host, timeout)
+        self.reducer = AllReduce(self.compute, dist.PrefixStore("allreduce", store), rank, world, device, dtype,
+                                 allreduce)
+        if allreduce == "symm":  # every rank takes the same path, or their all-reduces would never meet
+            work, everyone = self.start_min(int(self.reducer.buffer is not None))
+            work.wait()
+            if not everyone.item():
+                self.reducer.disable("a peer has no symmetric memory")
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self.compute.allreduce([t]).wait()
-        return t
+        return self.reducer(t)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         self.compute.broadcast(t, 0).wait()
@@ -287,6 +296,7 @@ class WorkerSpec:
     timeout_s: float
     num_threads: int
     triton: bool | None         # rank 0's peagle_kernels.dispatch choice
+    allreduce: str              # rank 0's PEAGLE_TP_ALLREDUCE ("nccl" or "symm")
 
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:
@@ -302,7 +312,8 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     store = dist.TCPStore(spec.master_addr, spec.master_port, world, False,
                           timeout=dt.timedelta(seconds=spec.timeout_s))
     store.set(f"hello/{rank}", str(os.getpid()))
-    comm = Communicator(store, rank, world, device, spec.gloo_host or _node_ip(), spec.timeout_s)
+    comm = Communicator(store, rank, world, device, spec.gloo_host or _node_ip(), spec.timeout_s, spec.dtype,
+                        spec.allreduce)
 
     path = resolve(cfg.model, cfg.revision, cfg.download_dir)  # rank 0 fetched it: a cache hit here
     tcfg = GptOssConfig.from_hf(read_json(path / "config.json"))
@@ -526,6 +537,7 @@ class TPWorkerGroup:
         from peagle_kernels.dispatch import triton_enabled
 
         n = self.world_size = cfg.tensor_parallel_size
+        allreduce = mode_from_env()
         tcfg = GptOssConfig.from_hf(read_json(model_path / "config.json"))
         check_divisible(tcfg, n)
         pg = current_placement_group()
@@ -541,7 +553,7 @@ class TPWorkerGroup:
         self.store = dist.TCPStore(host, 0, n, True, timeout=dt.timedelta(seconds=self.timeout_s),
                                    wait_for_workers=False)
         spec = WorkerSpec(cfg, dtype, devices, host, self.store.port, None if pg is not None else host,
-                          self.timeout_s, torch.get_num_threads(), triton_enabled())
+                          self.timeout_s, torch.get_num_threads(), triton_enabled(), allreduce)
         self.workers = RayWorkers(spec, pg) if pg is not None else ProcessWorkers(spec)
         self.devices, self.launcher = devices, "ray_actors" if pg is not None else "processes"
         self._finalizer = weakref.finalize(self, self.workers.kill)  # never leave workers behind
@@ -549,7 +561,7 @@ class TPWorkerGroup:
             hello = [f"hello/{r}" for r in range(1, n)]
             self._wait(lambda: self.store.check(hello), "start", max(self.timeout_s, START_TIMEOUT_FLOOR_S))
             self.worker_pids = [int(self.store.get(k)) for k in hello]  # for operators (and tests) on one node
-            self.comm = Communicator(self.store, 0, n, torch.device(devices[0]), host, self.timeout_s)
+            self.comm = Communicator(self.store, 0, n, torch.device(devices[0]), host, self.timeout_s, dtype, allreduce)
         except BaseException:
             self.shutdown()
             raise
@@ -588,7 +600,8 @@ class TPWorkerGroup:
 
     def describe(self) -> dict:
         return {"size": self.world_size, "workers": self.launcher, "devices": self.devices,
-                "worker_pids": self.worker_pids, "healthy": self.broken is None and not self.closed}
+                "worker_pids": self.worker_pids, "all_reduce": self.comm.reducer.describe(),
+                "healthy": self.broken is None and not self.closed}
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         try:
