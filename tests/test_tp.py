@@ -536,3 +536,25 @@ def test_tp2_cuda_graphs_give_tp1_greedy_tokens():
         finally:
             llm.engine.shutdown()
     assert outs[2, False] == outs[1, False] and outs[2, True] == outs[1, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_symmetric_memory_all_reduce_gives_tp1_greedy_tokens(monkeypatch):
+    """`PEAGLE_TP_ALLREDUCE=symm` on two GPUs: the layers' all-reduces go through symmetric memory (one-shot at these
+    sizes, inside the CUDA graphs), not the NCCL fallback, and TP=2 still gives TP=1's greedy tokens in fp32."""
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    spec_cfg = {"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": 7, "parallel_drafting": True}
+    outs = {}
+    for tp_size in (1, 2):
+        monkeypatch.setenv("PEAGLE_TP_ALLREDUCE", "symm")
+        llm = LLM("tiny", speculative_config=spec_cfg, device="cuda", dtype="float32", tensor_parallel_size=tp_size,
+                  max_num_seqs=4, max_model_len=256)
+        try:
+            if tp_size == 2:
+                assert llm.engine.engine_stats()["tensor_parallel"]["all_reduce"].startswith("symmetric memory")
+            outs[tp_size] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        finally:
+            llm.engine.shutdown()
+    assert outs[2] == outs[1]
