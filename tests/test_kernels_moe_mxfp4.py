@@ -1,5 +1,6 @@
 """MoE over packed MXFP4 experts: the Triton kernels equal dequantise + reference, and the engine with
-packed experts generates what it does with dequantised ones (TP=1 and TP=2).
+packed experts generates what it does with dequantised ones (TP=1 and TP=2); padded tensor-parallel shards
+of packed experts (N = 1, 2, 4, 8, shares not whole blocks) sum to the dequantised layer.
 
 CPU: Triton's interpreter. fp32 activations take the explicit FP4 decode + `tl.dot` (ieee), checked at
 atol = rtol = 1e-4 (outputs of magnitude ~1-30; the decode itself is checked bit-exact). bf16/fp16
