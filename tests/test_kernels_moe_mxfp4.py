@@ -1,5 +1,6 @@
 """MoE over packed MXFP4 experts: the Triton kernels equal dequantise + reference, and the engine with
-packed experts generates what it does with dequantised ones (TP=1 and TP=2).
+packed experts generates what it does with dequantised ones (TP=1 and TP=2); padded tensor-parallel shards
+of packed experts (N = 1, 2, 4, 8, shares not whole blocks) sum to the dequantised layer.
 
 CPU: Triton's interpreter. fp32 activations take the explicit FP4 decode + `tl.dot` (ieee), checked at
 atol = rtol = 1e-4 (outputs of magnitude ~1-30; the decode itself is checked bit-exact). bf16/fp16
@@ -328,7 +329,7 @@ def test_engine_greedy_packed_equals_dequantized(ckpt, speculative):
 def test_tp_shards_of_packed_experts_sum_to_the_full_layer(ckpt):
     cfg = ckpt["config"]
     full = load_target(ckpt["target"], torch.float32, "cpu", quantization="mxfp4")
-    shards = [load_target(ckpt["target"], torch.float32, "cpu", 2, target_shard(cfg, r, 2), "mxfp4") for r in range(2)]
+    shards = [load_target(ckpt["target"], torch.float32, "cpu", 2, target_shard(r), "mxfp4") for r in range(2)]
     assert shards[1].mxfp4_experts and tuple(shards[1].model.layers[0].mlp.experts.w2_blocks.shape) == (4, 64, 1, 16)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
     for i in range(cfg.num_hidden_layers):
@@ -337,16 +338,37 @@ def test_tp_shards_of_packed_experts_sum_to_the_full_layer(ckpt):
 
 
 def test_when_experts_stay_packed(ckpt):
-    """"auto": packed on CUDA when every rank gets whole blocks; TP=4 would cut the 64 channels into 16
-    (half a block), so "auto" dequantises there and "mxfp4" refuses."""
-    cfg, files = ckpt["config"], SafetensorsDir(ckpt["target"])
-    assert keep_mxfp4(cfg, files, "cuda", 1) and keep_mxfp4(cfg, files, "cuda:1", 2)
-    assert not keep_mxfp4(cfg, files, "cpu", 1) and keep_mxfp4(cfg, files, "cpu", 2, "mxfp4")
-    assert not keep_mxfp4(cfg, files, "cuda", 4) and not keep_mxfp4(cfg, files, "cuda", 1, "none")
-    with pytest.raises(ValueError, match="tensor_parallel_size=4.*not a multiple of 32"):
-        keep_mxfp4(cfg, files, "cpu", 4, "mxfp4")
-    with pytest.raises(ValueError, match="whole 32-weight blocks"):
-        target_shard(cfg, 0, 4)("model.layers.0.mlp.experts.w2_scales", torch.zeros(4, 64, 2, dtype=torch.uint8))
+    """"auto": packed on CUDA, at every tensor-parallel size (ranks split whole blocks); "mxfp4": packed anywhere."""
+    files = SafetensorsDir(ckpt["target"])
+    assert keep_mxfp4(files, "cuda") and keep_mxfp4(files, "cuda:1")
+    assert not keep_mxfp4(files, "cpu") and keep_mxfp4(files, "cpu", "mxfp4")
+    assert not keep_mxfp4(files, "cuda", "none")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_padded_shards_of_packed_experts_sum_to_the_dequantized_layer(tmp_path, world):
+    """I = 224 (7 blocks): a rank's share 224 / N (112, 56, 28) is not whole blocks, as 2880 / 4 = 720 is not. Each
+    rank keeps ceil(7 / N) whole blocks, the last ranks' padded with zero channels (at N = 8 rank 7 holds padding
+    only): every rank's experts stay packed, the padding contributes exactly nothing, and the ranks' partial outputs
+    sum to the unpadded dequantised layer's."""
+    cfg = tiny_target_config(intermediate_size=224)
+    build_target(tmp_path, cfg, seed=2, mxfp4=True)
+    dense = load_target(tmp_path, torch.float32, "cpu", quantization="none")
+    shards = [load_target(tmp_path, torch.float32, "cpu", world, target_shard(r), "mxfp4") for r in range(world)]
+    blocks = -(-7 // world)
+    real = [max(0, min(blocks, 7 - r * blocks)) for r in range(world)]  # whole blocks of real channels per rank
+    x = torch.randn(10, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    for i in range(cfg.num_hidden_layers):
+        parts = []
+        for r, s in enumerate(shards):
+            e = s.model.layers[i].mlp.experts
+            assert e.mxfp4 and tuple(e.w2_blocks.shape) == (4, 64, blocks, 16)
+            assert not e.w2_blocks[:, :, real[r]:].any() and not e.w1_blocks[:, 2 * 32 * real[r]:].any()
+            assert not e.b1[:, 2 * 32 * real[r]:].any()
+            parts.append(s.model.layers[i].mlp(x))
+        if real[-1] == 0:  # a rank of padding only (and no b2: rank 0 adds it): exactly zero
+            assert not parts[-1].any()
+        torch.testing.assert_close(sum(parts), dense.model.layers[i].mlp(x), rtol=1e-5, atol=1e-5)
 
 
 def test_tp2_packed_greedy_equals_tp1(ckpt):

@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from kernel_utils import triton_interpret  # noqa: F401  (fixture)
-from peagle_kernels.sampling import rejection_sample_ref, target_probs
+from peagle_kernels.sampling import greedy_verify, rejection_sample_ref, target_probs
 
 V = 8
 ROWS = 3                  # two drafts + the bonus row
@@ -176,17 +176,23 @@ def _greedy_chain(logits: torch.Tensor, drafts: torch.Tensor) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_greedy_rows_are_exact_argmax_chains(mixed):
-    g = torch.Generator().manual_seed(5)
-    B, Vb = 64, 50
+def random_verify_batch(g: torch.Generator, B: int, Vb: int):
+    """B requests of 1..5 rows each: (rows per request, cu, logits, drafts that are the argmax 70% of the time)."""
     n_rows = torch.randint(1, 6, (B,), generator=g)
     cu = torch.cat([torch.zeros(1, dtype=torch.long), n_rows.cumsum(0)])
     N = int(cu[-1])
     logits = torch.randn(N, Vb, generator=g)
-    argmax = logits.argmax(-1)
-    drafts = torch.where(torch.rand(N, generator=g) < 0.7, argmax, torch.randint(0, Vb, (N,), generator=g))
+    drafts = torch.where(torch.rand(N, generator=g) < 0.7, logits.argmax(-1), torch.randint(0, Vb, (N,), generator=g))
     drafts[cu[1:] - 1] = -1
+    return n_rows, cu, logits, drafts
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_greedy_rows_are_exact_argmax_chains(mixed):
+    g = torch.Generator().manual_seed(5)
+    B, Vb = 64, 50
+    n_rows, cu, logits, drafts = random_verify_batch(g, B, Vb)
+    N = int(cu[-1])
     temperature = torch.zeros(B)
     if mixed:
         temperature[1::2] = 0.8                            # odd requests sample
@@ -202,6 +208,17 @@ def test_greedy_rows_are_exact_argmax_chains(mixed):
         assert int(acc[b]) == len(chain) - 1
         assert tokens[b, :len(chain)].tolist() == chain
         assert (tokens[b, len(chain):] == -1).all()
+
+
+def test_greedy_verify_from_argmax_alone_equals_greedy_rejection_sampling():
+    """What a vocab-parallel LM head hands the verify (each row's argmax, no logits) gives the same tokens and
+    acceptance as the greedy verify over the logits, for every acceptance length."""
+    B = 48
+    _, cu, logits, drafts = random_verify_batch(torch.Generator().manual_seed(6), B, 40)
+    want = rejection_sample_ref(logits, drafts, cu, torch.zeros(B), None, None, None, None, max_rows=6)
+    got = greedy_verify(logits.argmax(-1), drafts, cu, max_rows=6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert set(want[1].tolist()) == set(range(5))  # every acceptance length occurs
 
 
 def test_seeded_noise_repeats_exactly():

@@ -79,11 +79,27 @@ def rejection_sample_ref(logits, draft_ids, cu_rows, temperature, top_k, top_p, 
         sampled = (residual / exp_noise).argmax(-1)
         accept = torch.where(greedy, has_draft & (argmax == d), accept_s)
         recovered = torch.where(greedy, argmax, sampled)
-    # Pad to [B, max_rows]: request b accepts the longest prefix of its drafts that passed.
+    return _accepted_prefix(accept, recovered, d, cu_rows, max_rows)
+
+
+def greedy_verify(argmax: torch.Tensor, draft_ids: torch.Tensor, cu_rows: torch.Tensor, *,
+                  max_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample` for an all-greedy batch from each row's argmax token [N] alone (no logits: a
+    vocab-parallel LM head gathers only per-rank maxima). Same outputs as `rejection_sample` on logits whose
+    argmax is `argmax`."""
+    d = draft_ids.clamp(min=0)
+    return _accepted_prefix((draft_ids >= 0) & (argmax == d), argmax, d, cu_rows, max_rows)
+
+
+def _accepted_prefix(accept: torch.Tensor, recovered: torch.Tensor, d: torch.Tensor, cu_rows: torch.Tensor,
+                     max_rows: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row verdicts -> (tokens [B, max_rows] padded with -1, num_accepted [B]): request b accepts the longest
+    prefix of its drafts that passed, then emits the recovered token of the row that stopped it."""
+    B, N, dev = cu_rows.shape[0] - 1, accept.shape[0], accept.device
     n_rows = cu_rows[1:] - cu_rows[:-1]
     if max_rows is None:
         max_rows = int(n_rows.max()) if B else 0
-    col = torch.arange(max_rows, device=logits.device)
+    col = torch.arange(max_rows, device=dev)
     row = (cu_rows[:-1, None] + col[None, :]).clamp(max=max(N - 1, 0))
     inside = col[None, :] < n_rows[:, None] - 1            # rows that judge a draft
     passed = inside & accept[row]

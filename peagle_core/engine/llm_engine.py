@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,8 @@ import torch
 from peagle_core.config import EngineConfig
 from peagle_core.engine.block_manager import BlockManager
 from peagle_core.engine.graphs import graphs_supported, make_graph_runner
-from peagle_core.engine.memory import cache_bytes_per_block, freeze_heap, kv_budget_bytes, reclaim_dropped_engines
+from peagle_core.engine.memory import (cache_bytes_per_block, freeze_heap, kv_budget_bytes, memory_line,
+                                       reclaim_dropped_engines, weight_bytes)
 from peagle_core.engine.model_runner import ModelRunner, check_sampling_setup
 from peagle_core.engine.output import TextState
 from peagle_core.engine.request import Request, Status
@@ -21,6 +23,8 @@ from peagle_core.engine.types import SamplingParams, SpecDecodeStats
 from peagle_core.loading.checkpoint import DTYPES, load_drafter, load_target
 from peagle_core.loading.hub import resolve
 from peagle_core.depth.policy import DepthPolicy, FixedDepth, StepInfo, StepOutcome
+
+log = logging.getLogger("peagle.engine")
 
 
 class StepError(RuntimeError):
@@ -87,7 +91,8 @@ class LLMEngine:
         self.drafter = None
         if self.mode != "none":
             self.drafter = load_drafter(resolve(cfg.speculative_config.model, cfg.speculative_config.revision,
-                                                cfg.download_dir), self.target, self.dtype, self.device)
+                                                cfg.download_dir), self.target, self.dtype, self.device,
+                                        target_path=path)
             if self.mode == "peagle" and self.drafter.mask_hidden is None:
                 raise ValueError(f"drafter {cfg.speculative_config.model!r} has no mask token / mask_hidden: it cannot "
                                  "draft in parallel; use parallel_drafting=false (EAGLE-3)")
@@ -99,7 +104,10 @@ class LLMEngine:
         # CUDA graphs for every step up to the token budget (eager on CPU, without Triton or with enforce_eager);
         # tensor-parallel workers build the target's graphs of the same layout
         layout = GraphLayout(cfg.max_num_seqs, self.K, budget, graphs_supported(self.device, cfg.enforce_eager))
-        num_blocks = self.tp.agree_num_blocks(self._num_blocks(), self.max_model_len, layout)  # the smallest rank's
+        per_block = self._cache_bytes_per_block()
+        num_blocks, self.memory_per_rank = self.tp.agree_num_blocks(  # the smallest rank's number of blocks
+            self._num_blocks(per_block), self.max_model_len, layout, weight_bytes(self.target, self.drafter), per_block)
+        log.info(memory_line(self.memory_per_rank))
         if num_blocks * cfg.block_size < self.max_model_len:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {cfg.block_size}) cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more memory")
@@ -139,13 +147,16 @@ class LLMEngine:
             times = StepTimeModel(points, draft_pass=draft, per_k_draft=self.mode == "eagle3")
         return AdaptiveDepth(self.K, times, k_min=spec.min_num_speculative_tokens, flat_draft=self.mode == "peagle")
 
-    def _num_blocks(self) -> int:
+    def _cache_bytes_per_block(self) -> int:
+        per_block = cache_bytes_per_block(self.target, self.config.block_size, self.dtype)
+        if self.drafter is not None:
+            per_block += cache_bytes_per_block(self.drafter, self.config.block_size, self.dtype)
+        return per_block
+
+    def _num_blocks(self, per_block: int) -> int:
         cfg = self.config
         if cfg.num_gpu_blocks:
             return cfg.num_gpu_blocks
-        per_block = cache_bytes_per_block(self.target, cfg.block_size, self.dtype)
-        if self.drafter is not None:
-            per_block += cache_bytes_per_block(self.drafter, cfg.block_size, self.dtype)
         useful = cfg.max_num_seqs * -(-(self.max_model_len + self.K) // cfg.block_size) + 1
         n = min(useful, int(kv_budget_bytes(cfg, self.device) // per_block))
         if n < 1:

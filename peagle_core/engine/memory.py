@@ -28,6 +28,18 @@ def cache_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
     return 2 * len(layers) * block_size * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
 
 
+def weight_bytes(*models) -> int:
+    """Bytes of the models' parameters as held (packed experts at their packed size; None models count 0)."""
+    return sum(p.numel() * p.element_size() for m in models if m is not None for p in m.parameters())
+
+
+def memory_line(per_rank: list[tuple[int, int]]) -> str:
+    """The start-up log line: (weight bytes, KV-cache bytes) of each tensor-parallel rank."""
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    return "memory per rank: " + "; ".join(f"rank {r} weights {gb(w)}, KV cache {gb(kv)}"
+                                           for r, (w, kv) in enumerate(per_rank))
+
+
 def bind_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One tensor [2, layers, blocks, block_size, kv heads, head dim] for `model`'s K/V; each attention layer gets
     its views."""

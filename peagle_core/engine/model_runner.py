@@ -2,7 +2,8 @@
 
 `ModelRunner.execute` owns the step, which reads like the method (DESIGN.md, "One engine step"):
   1. target forward over every request's `[uncomputed tokens, drafts[:k]]`, keeping the aux hidden states;
-  2. accept/reject the drafts against the target (greedy or rejection sampling) and pick the bonus token;
+  2. accept/reject the drafts against the target (greedy from each row's argmax alone, else rejection sampling
+     over the full logits) and pick the bonus token;
   3. rejected K/V need no work: the request's length rolls back and later writes overwrite them;
   4. drafter (`drafting.Proposer`): P-EAGLE runs ONE forward over `[accepted, bonus, MASK x (K-1)]` and reads K
      drafts; EAGLE-3 runs one forward over `[accepted, bonus]`, then K-1 single-token passes feeding itself back;
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from peagle_kernels.dispatch import use_triton
-from peagle_kernels.sampling import rejection_sample
+from peagle_kernels.sampling import greedy_verify, rejection_sample
 from peagle_core.engine.drafting import Proposer
 from peagle_core.engine.logits_processors import needs_processing, process_logits
 from peagle_core.engine.logprobs import emitted_logprobs, host_logprobs
@@ -220,20 +221,26 @@ class ModelRunner:
         if not inp.sampling_host:
             tokens = torch.full((B, self.K + 1), -1, dtype=torch.long, device=dev)
             return tokens, torch.zeros(B, dtype=torch.long, device=dev), inp.next_ids, None
-        logits = self.target.compute_logits(hidden if inp.all_rows else hidden[inp.rows]).float()
+        rows = None if inp.all_rows else inp.rows
         reqs = [batch[i].req for i in inp.sampling_host]
-        if any(needs_processing(r.params) for r in reqs):
-            logits = process_logits(logits, reqs, inp.cu_host, self.stop_ids)
-        top_k, top_p = (inp.top_k, inp.top_p) if inp.filtered else (None, None)
-        uniforms, noise = self._noise([batch[i] for i in inp.sampling_host], inp.cu_host, logits.shape[1])
-        sampled, accepted = rejection_sample(logits, inp.draft_ids, inp.cu, inp.temperature, top_k, top_p,
-                                             uniforms, noise, max_rows=self.K + 1)
-        next_sampled = sampled.gather(1, accepted[:, None])[:, 0]
-        wants = [batch[i].req.params.logprobs for i in inp.sampling_host]
+        wants = [r.params.logprobs for r in reqs]
         lps = None
-        if any(n is not None for n in wants):
-            lps = (emitted_logprobs(logits, sampled, inp.cu, inp.temperature, top_k, top_p, max(n or 0 for n in wants)),
-                   sampled, accepted, wants, inp.cu_host)
+        if all(r.params.greedy and not needs_processing(r.params) and r.params.logprobs is None for r in reqs):
+            # each row's argmax is all greedy acceptance reads (under tensor parallelism: per-rank maxima, gathered)
+            sampled, accepted = greedy_verify(self.target.greedy_tokens(hidden, rows), inp.draft_ids, inp.cu,
+                                              max_rows=self.K + 1)
+        else:
+            logits = self.target.compute_logits(hidden, rows).float()
+            if any(needs_processing(r.params) for r in reqs):
+                logits = process_logits(logits, reqs, inp.cu_host, self.stop_ids)
+            top_k, top_p = (inp.top_k, inp.top_p) if inp.filtered else (None, None)
+            uniforms, noise = self._noise([batch[i] for i in inp.sampling_host], inp.cu_host, logits.shape[1])
+            sampled, accepted = rejection_sample(logits, inp.draft_ids, inp.cu, inp.temperature, top_k, top_p,
+                                                 uniforms, noise, max_rows=self.K + 1)
+            if any(n is not None for n in wants):
+                lps = (emitted_logprobs(logits, sampled, inp.cu, inp.temperature, top_k, top_p,
+                                        max(n or 0 for n in wants)), sampled, accepted, wants, inp.cu_host)
+        next_sampled = sampled.gather(1, accepted[:, None])[:, 0]
         if len(inp.sampling_host) == B:  # every request samples (decode): no scatter
             return sampled, accepted, next_sampled, lps
         tokens = torch.full((B, self.K + 1), -1, dtype=torch.long, device=dev)

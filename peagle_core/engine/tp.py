@@ -18,9 +18,13 @@ Sharding (`target_shard`, Megatron style; `DecoderLayer.all_reduce` sums the par
   attention  q/k/v rows and sinks by head, o_proj columns (its bias on rank 0 only);
   experts    w1/b1 rows [2*start, 2*end) of the intermediate dimension (gate/up pairs are interleaved,
              so a contiguous range keeps them together), w2 columns [start, end), b2 on rank 0 only;
-             packed MXFP4 experts alike, w2's blocks/scales [start/32, end/32) (the loader keeps them
-             packed only when (I / N) % 32 == 0, else it dequantises);
-  the rest   (embedding, norms, router, lm_head) is replicated.
+             packed MXFP4 experts alike on whole 32-channel blocks: ceil(I / 32 / N) blocks a rank, the last
+             rank's padded with zero channels (`expert_shard_size`), so they stay packed at every N;
+  lm_head    rows by vocabulary, ceil(V / N) a rank (`VocabParallelHead`): each rank computes its slice of the
+             logits; greedy steps gather per-rank maxima, the others all-gather the logits;
+  the rest   (embedding, norms, router) is replicated.
+Rank 0 announces each LM-head call (`HEAD`: the rows and whether greedy) so the workers compute their slices and
+meet it in the gather.
 The drafter is small: rank 0 holds a full copy with its KV cache and is the only rank that runs it.
 
 Each instance has its own TCPStore on a free port and its own process groups, built directly (never
@@ -46,15 +50,17 @@ import torch
 import torch.distributed as dist
 
 from peagle_core.config import EngineConfig, GptOssConfig
+from peagle_core.engine.allreduce import AllReduce, mode_from_env
 from peagle_core.engine.graphs import target_graph_set
-from peagle_core.engine.memory import bind_kv_cache, cache_bytes_per_block, freeze_heap, kv_budget_bytes
+from peagle_core.engine.memory import bind_kv_cache, cache_bytes_per_block, freeze_heap, kv_budget_bytes, weight_bytes
 from peagle_core.loading.checkpoint import Shard, load_target, read_json
 from peagle_core.models.gpt_oss import GptOss
 from peagle_core.models.layers import ForwardMeta
 
-STEP, INIT, SHUTDOWN, CAPTURE, REPLAY = 0, 1, 2, 3, 4  # message kinds (header[0])
+STEP, INIT, SHUTDOWN, CAPTURE, REPLAY, HEAD = 0, 1, 2, 3, 4, 5  # message kinds (header[0])
 HEADER = 8  # kind, num_tokens, num_requests, block-table width, flags, graph key (requests, tokens), spare
 HAS_SEQ_LENS, HAS_SLOTS, HAS_BLOCK_TABLES = 1, 2, 4
+HAS_ROWS, GREEDY = 1, 2  # HEAD flags (header[2]; header[1] is the number of rows)
 IDLE = dt.timedelta(days=3650)   # workers wait for rank 0 on the control group for as long as the engine idles
 
 
@@ -106,37 +112,39 @@ def check_bundles(bundles: list[dict], n: int, cuda: bool) -> None:
                          f"got {bundles[1:n]}")
 
 
-def target_shard(cfg: GptOssConfig, rank: int, world: int) -> Shard:
-    """`(name, full tensor) -> this rank's slice` for `load_target`'s shard hook."""
-    d = cfg.head_dim
-    heads, kv, inter = cfg.num_attention_heads // world, cfg.num_key_value_heads // world, cfg.intermediate_size // world
+# Split dimension of each sharded parameter (by name suffix); the rest is replicated, `ONCE` on rank 0 only.
+SPLIT_DIM = {"q_proj.weight": 0, "q_proj.bias": 0, "k_proj.weight": 0, "k_proj.bias": 0, "v_proj.weight": 0,
+             "v_proj.bias": 0, "self_attn.sinks": 0, "o_proj.weight": 1,
+             "experts.w1": 1, "experts.b1": 1, "experts.w1_blocks": 1, "experts.w1_scales": 1,  # [E, 2I, ...]
+             "experts.w2": 2, "experts.w2_blocks": 2, "experts.w2_scales": 2,                   # [E, H, I(/32), ...]
+             "lm_head.weight": 0}
+ONCE = ("o_proj.bias", "experts.b2")  # biases after a row-parallel matmul: summed once
 
-    def once(t: torch.Tensor) -> torch.Tensor:
-        return t if rank == 0 else torch.zeros_like(t)  # a bias after a row-parallel matmul: summed once
 
-    def shard(name: str, t: torch.Tensor) -> torch.Tensor:
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            return t.narrow(0, rank * heads * d, heads * d)
-        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            return t.narrow(0, rank * kv * d, kv * d)
-        if name.endswith("self_attn.sinks"):
-            return t.narrow(0, rank * heads, heads)
-        if name.endswith("o_proj.weight"):
-            return t.narrow(1, rank * heads * d, heads * d)
-        if name.endswith(("experts.w1", "experts.b1", "experts.w1_blocks", "experts.w1_scales")):  # [E, 2I, ...]
-            return t.narrow(1, 2 * rank * inter, 2 * inter)
-        if name.endswith("experts.w2"):                     # [E, H, I]
-            return t.narrow(2, rank * inter, inter)
-        if name.endswith(("experts.w2_blocks", "experts.w2_scales")):  # [E, H, I/32, ...]: whole blocks only
-            if inter % 32:
-                raise ValueError(f"packed MXFP4 experts cannot be split into {world} ranks of {inter} intermediate "
-                                 "channels (not whole 32-weight blocks); load them dequantised")
-            return t.narrow(2, rank * inter // 32, inter // 32)
-        if name.endswith(("o_proj.bias", "experts.b2")):
-            return once(t)
-        return t  # replicated
+def target_shard(rank: int) -> Shard:
+    """`(name, full tensor, this rank's shape) -> this rank's slice` for `load_target`'s shard hook.
+
+    The rank's model (`GptOss(cfg, N)`) fixes each slice's size n along the split dimension; rank r takes
+    [r*n, (r+1)*n), cut at the full size and padded with zeros to n. Heads divide evenly; the padding is for
+    packed experts (whole 32-channel blocks a rank: `expert_shard_size`) and the vocabulary (ceil(V / N) rows)."""
+
+    def shard(name: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        if name.endswith(ONCE):
+            return t if rank == 0 else torch.zeros_like(t)
+        dim = next((d for suffix, d in SPLIT_DIM.items() if name.endswith(suffix)), None)
+        return t if dim is None else _slice_padded(t, dim, rank * shape[dim], shape[dim])
 
     return shard
+
+
+def _slice_padded(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
+    start = min(start, t.shape[dim])
+    part = t.narrow(dim, start, min(n, t.shape[dim] - start))
+    if part.shape[dim] == n:
+        return part
+    pad = list(t.shape)
+    pad[dim] = n - part.shape[dim]
+    return torch.cat([part, t.new_zeros(pad)], dim)  # zero weights, biases and scale bytes: exactly no contribution
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,9 +167,11 @@ def _nccl(store: dist.Store, rank: int, world: int, timeout: dt.timedelta):
 
 class Communicator:
     """Two groups: `ctrl` (gloo, CPU) carries rank 0's headers and may wait as long as the engine idles;
-    `compute` (NCCL on GPUs, gloo on CPU, with the collective timeout) carries tensors and all-reduces."""
+    `compute` (NCCL on GPUs, gloo on CPU, with the collective timeout) carries tensors and all-reduces, the latter
+    through `allreduce.AllReduce` (symmetric memory for small messages with `allreduce` "symm")."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, host: str, timeout_s: float):
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, host: str, timeout_s: float,
+                 dtype: torch.dtype = torch.float32, allreduce: str = "nccl"):
         self.rank, self.world, self.device = rank, world, device
         self.timeout = timeout = dt.timedelta(seconds=timeout_s)
         self.ctrl = _gloo(dist.PrefixStore("ctrl", store), rank, world, host, timeout)  # bounded rendezvous
@@ -170,14 +180,27 @@ class Communicator:
             self.compute = _nccl(dist.PrefixStore("compute", store), rank, world, timeout)
         else:
             self.compute = _gloo(dist.PrefixStore("compute", store), rank, world, host, timeout)
+        self.reducer = AllReduce(self.compute, dist.PrefixStore("allreduce", store), rank, world, device, dtype,
+                                 allreduce)
+        if allreduce == "symm":  # every rank takes the same path, or their all-reduces would never meet
+            work, everyone = self.start_min(int(self.reducer.buffer is not None))
+            work.wait()
+            if not everyone.item():
+                self.reducer.disable("a peer has no symmetric memory")
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self.compute.allreduce([t]).wait()
-        return t
+        return self.reducer(t)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         self.compute.broadcast(t, 0).wait()
         return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[N, *t.shape]: every rank's t, in rank order."""
+        t = t.contiguous()
+        out = torch.empty(self.world * t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)
+        self.compute._allgather_base(out, t).wait()  # into one buffer: no per-rank copies
+        return out.view(self.world, *t.shape)
 
     def send_header(self, *fields: int, timeout: dt.timedelta | None = None) -> None:
         """Rank 0's side, bounded: a gloo send completes only once the peer has posted its receive, so a worker that
@@ -192,6 +215,13 @@ class Communicator:
         h = torch.zeros(HEADER, dtype=torch.long)
         self.ctrl.broadcast(h, 0).wait()
         return h.tolist()
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values`, in rank order (control group: start-up only)."""
+        t = torch.tensor(values, dtype=torch.long)
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        self.ctrl.allgather([out], [t]).wait()
+        return [o.tolist() for o in out]
 
     def start_min(self, value: int) -> tuple[dist.Work, torch.Tensor]:
         t = torch.tensor([value], dtype=torch.long)
@@ -235,9 +265,17 @@ def unpack_forward(header: list[int], payload: torch.Tensor) -> tuple[torch.Tens
                             block_tables=bt.view(B, width) if flags & HAS_BLOCK_TABLES else None)
 
 
-def install_all_reduce(target: GptOss, comm: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def install_collectives(target: GptOss, rank: int, all_reduce: Callable[[torch.Tensor], torch.Tensor],
+                        all_gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
     for layer in target.model.layers:
-        layer.all_reduce = comm
+        layer.all_reduce = all_reduce
+    target.lm_head.place(rank, all_gather)
+
+
+def pack_head(hidden: torch.Tensor, rows: torch.Tensor | None, greedy: bool) -> tuple[list[int], torch.Tensor | None]:
+    """One LM-head call as a header (and its rows, where it takes a subset of the forward's hidden rows)."""
+    n = hidden.shape[0] if rows is None else rows.numel()
+    return [HEAD, n, (HAS_ROWS if rows is not None else 0) | (GREEDY if greedy else 0)], rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,6 +296,7 @@ class WorkerSpec:
     timeout_s: float
     num_threads: int
     triton: bool | None         # rank 0's peagle_kernels.dispatch choice
+    allreduce: str              # rank 0's PEAGLE_TP_ALLREDUCE ("nccl" or "symm")
 
 
 def run_worker(spec: WorkerSpec, rank: int) -> None:
@@ -273,15 +312,17 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     store = dist.TCPStore(spec.master_addr, spec.master_port, world, False,
                           timeout=dt.timedelta(seconds=spec.timeout_s))
     store.set(f"hello/{rank}", str(os.getpid()))
-    comm = Communicator(store, rank, world, device, spec.gloo_host or _node_ip(), spec.timeout_s)
+    comm = Communicator(store, rank, world, device, spec.gloo_host or _node_ip(), spec.timeout_s, spec.dtype,
+                        spec.allreduce)
 
     path = resolve(cfg.model, cfg.revision, cfg.download_dir)  # rank 0 fetched it: a cache hit here
     tcfg = GptOssConfig.from_hf(read_json(path / "config.json"))
-    target = load_target(path, spec.dtype, device, world, target_shard(tcfg, rank, world), cfg.quantization)
-    install_all_reduce(target, comm.all_reduce)
+    target = load_target(path, spec.dtype, device, world, target_shard(rank), cfg.quantization)
+    install_collectives(target, rank, comm.all_reduce, comm.all_gather)
     per_block = cache_bytes_per_block(target, cfg.block_size, spec.dtype)
     work, _ = comm.start_min(cfg.num_gpu_blocks or int(kv_budget_bytes(cfg, device) // per_block))
     work.wait()
+    comm.gather_ints([weight_bytes(target), per_block])  # for rank 0's start-up log
     kind, num_blocks, max_model_len, max_num_seqs, K, budget, capture, _ = comm.recv_header()
     if kind != INIT:
         return
@@ -289,6 +330,7 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
     graphs = target_graph_set(target, max_num_seqs, K, max_model_len, cfg.block_size, budget or None, device,
                               bool(capture), torch.cuda.graph_pool_handle() if capture else None)
     freeze_heap()  # a full collection in one rank stalls every rank's step
+    hidden = None  # the last forward's output, which the LM head reads
     with torch.inference_mode():
         while True:
             header = comm.recv_header()
@@ -298,12 +340,17 @@ def run_worker(spec: WorkerSpec, rank: int) -> None:
             if kind == CAPTURE:
                 graphs.capture_one(key)
                 continue
+            if kind == HEAD:
+                n, flags = header[1], header[2]
+                rows = comm.broadcast(torch.empty(n, dtype=torch.long, device=device)) if flags & HAS_ROWS else None
+                target.lm_head(hidden, rows, bool(flags & GREEDY))
+                continue
             payload = torch.empty(payload_size(*header[1:5]), dtype=torch.long, device=device)
             input_ids, meta = unpack_forward(header, comm.broadcast(payload))
             if kind == REPLAY:
-                graphs.run(input_ids, None, meta, key)
+                hidden = graphs.run(input_ids, None, meta, key)[0]
             else:
-                target(input_ids, meta)
+                hidden = target(input_ids, meta)[0]
 
 
 def _node_ip() -> str:
@@ -469,8 +516,9 @@ class SingleDevice:
     def apply(self, target: GptOss) -> None:
         pass
 
-    def agree_num_blocks(self, num_blocks: int, max_model_len: int, graphs: GraphLayout) -> int:
-        return num_blocks
+    def agree_num_blocks(self, num_blocks: int, max_model_len: int, graphs: GraphLayout, weights: int,
+                         per_block: int) -> tuple[int, list[tuple[int, int]]]:
+        return num_blocks, [(weights, num_blocks * per_block)]
 
     def check_alive(self) -> None:
         pass
@@ -489,13 +537,14 @@ class TPWorkerGroup:
         from peagle_kernels.dispatch import triton_enabled
 
         n = self.world_size = cfg.tensor_parallel_size
+        allreduce = mode_from_env()
         tcfg = GptOssConfig.from_hf(read_json(model_path / "config.json"))
         check_divisible(tcfg, n)
         pg = current_placement_group()
         if pg is not None:
             check_bundles(pg.bundle_specs, n, device.type == "cuda")
         devices = rank_devices(device, n, pg is not None)
-        self.shard = target_shard(tcfg, 0, n)
+        self.shard = target_shard(0)
         self.timeout_s = tp_timeout_s()
         host = _node_ip() if pg is not None else "127.0.0.1"
         self.broken: str | None = None
@@ -504,7 +553,7 @@ class TPWorkerGroup:
         self.store = dist.TCPStore(host, 0, n, True, timeout=dt.timedelta(seconds=self.timeout_s),
                                    wait_for_workers=False)
         spec = WorkerSpec(cfg, dtype, devices, host, self.store.port, None if pg is not None else host,
-                          self.timeout_s, torch.get_num_threads(), triton_enabled())
+                          self.timeout_s, torch.get_num_threads(), triton_enabled(), allreduce)
         self.workers = RayWorkers(spec, pg) if pg is not None else ProcessWorkers(spec)
         self.devices, self.launcher = devices, "ray_actors" if pg is not None else "processes"
         self._finalizer = weakref.finalize(self, self.workers.kill)  # never leave workers behind
@@ -512,29 +561,34 @@ class TPWorkerGroup:
             hello = [f"hello/{r}" for r in range(1, n)]
             self._wait(lambda: self.store.check(hello), "start", max(self.timeout_s, START_TIMEOUT_FLOOR_S))
             self.worker_pids = [int(self.store.get(k)) for k in hello]  # for operators (and tests) on one node
-            self.comm = Communicator(self.store, 0, n, torch.device(devices[0]), host, self.timeout_s)
+            self.comm = Communicator(self.store, 0, n, torch.device(devices[0]), host, self.timeout_s, dtype, allreduce)
         except BaseException:
             self.shutdown()
             raise
 
     def apply(self, target: GptOss) -> None:
-        """All-reduce after attention and MoE; every target forward on rank 0 is announced to the workers first."""
-        install_all_reduce(target, self.all_reduce)
+        """All-reduce after attention and MoE, all-gather in the LM head; every target forward and LM-head call on
+        rank 0 is announced to the workers first."""
+        install_collectives(target, 0, self.all_reduce, self.all_gather)
         target.register_forward_pre_hook(self._announce, with_kwargs=True)
+        target.lm_head.register_forward_pre_hook(self._announce_head)
 
-    def agree_num_blocks(self, num_blocks: int, max_model_len: int, graphs: GraphLayout) -> int:
+    def agree_num_blocks(self, num_blocks: int, max_model_len: int, graphs: GraphLayout, weights: int,
+                         per_block: int) -> tuple[int, list[tuple[int, int]]]:
         """Every rank sizes its KV cache; all take the smallest, then the workers bind theirs, build the target
-        graphs' buffers of rank 0's layout and start."""
+        graphs' buffers of rank 0's layout and start. Also returns each rank's (weight bytes, KV-cache bytes), from
+        rank 0's `weights` and `per_block` (KV bytes a block) and the workers' own."""
         work, t = self.comm.start_min(num_blocks)
         self._wait(work.is_completed, "load their shards")  # as long as loading takes, while they live
         work.wait()
         n = int(t.item())
+        sizes = self.comm.gather_ints([weights, per_block])
         if n < 1:
             raise ValueError("a tensor-parallel worker has no memory for a single KV-cache block")
         self.comm.send_header(INIT, n, max_model_len, graphs.max_num_seqs, graphs.K, graphs.budget or 0,
                               int(graphs.capture))
         self.started = True
-        return n
+        return n, [(w, n * b) for w, b in sizes]
 
     def check_alive(self) -> None:
         if self.broken is None and not self.closed:
@@ -546,13 +600,24 @@ class TPWorkerGroup:
 
     def describe(self) -> dict:
         return {"size": self.world_size, "workers": self.launcher, "devices": self.devices,
-                "worker_pids": self.worker_pids, "healthy": self.broken is None and not self.closed}
+                "worker_pids": self.worker_pids, "all_reduce": self.comm.reducer.describe(),
+                "healthy": self.broken is None and not self.closed}
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         try:
             return self.comm.all_reduce(t)
         except Exception as e:
             self._fail("all-reduce", e)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.comm.all_gather(t)
+        except Exception as e:
+            self._fail("LM-head all-gather", e)
+
+    def _announce_head(self, module, args) -> None:
+        hidden, rows, greedy = args  # `GptOss.compute_logits` / `greedy_tokens` pass all three
+        self._send("LM-head broadcast", *pack_head(hidden, rows, greedy))
 
     def _announce(self, module, args, kwargs) -> None:
         if self.quiet:

@@ -21,8 +21,8 @@ from peagle_core.loading import mxfp4
 from peagle_core.models.drafter import Drafter
 from peagle_core.models.gpt_oss import GptOss
 
-# (full name, full tensor) -> this rank's slice; identity without tensor parallelism
-Shard = Callable[[str, torch.Tensor], torch.Tensor]
+# (full name, full tensor, this rank's parameter shape) -> this rank's slice; identity without tensor parallelism
+Shard = Callable[[str, torch.Tensor, torch.Size], torch.Tensor]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,14 +101,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)  # e.g. scales saved as float8_e8m0fnu: the same bits
 
 
-def keep_mxfp4(cfg: GptOssConfig, ckpt: SafetensorsDir, device: torch.device | str, tp_size: int = 1,
-               quantization: Quantization = "auto") -> bool:
-    """Whether this load keeps the experts packed (see `Quantization`).
-
-    Packed experts are sharded on whole 32-weight blocks, so each tensor-parallel rank's share of
-    the intermediate size must be a multiple of 32 (120B/20B: I = 2880 = 90 blocks, so TP 1 and 2
-    qualify; TP 4 and 8 do not): "auto" dequantises otherwise, "mxfp4" refuses.
-    """
+def keep_mxfp4(ckpt: SafetensorsDir, device: torch.device | str, quantization: Quantization = "auto") -> bool:
+    """Whether this load keeps the experts packed (see `Quantization`), at any tensor-parallel size: ranks split
+    them on whole 32-weight blocks, padding the last rank's share (`models.gpt_oss.expert_shard_size`)."""
     if quantization not in ("auto", "mxfp4", "none"):
         raise ValueError(f"quantization must be 'auto', 'mxfp4' or 'none', got {quantization!r}")
     on_disk = any(n.endswith(".mlp.experts.gate_up_proj_blocks") for n in ckpt.shapes)
@@ -117,13 +112,6 @@ def keep_mxfp4(cfg: GptOssConfig, ckpt: SafetensorsDir, device: torch.device | s
                          f"{ckpt.path} stores them dense")
     if quantization == "none" or not on_disk:
         return False
-    inter = cfg.intermediate_size // tp_size
-    if inter % mxfp4.BLOCK:
-        if quantization == "mxfp4":
-            raise ValueError(f"quantization='mxfp4' with tensor_parallel_size={tp_size}: each rank's share of "
-                             f"intermediate_size={cfg.intermediate_size} is {inter}, not a multiple of {mxfp4.BLOCK} "
-                             "(whole MXFP4 blocks); use quantization='auto' or 'none' (dequantised)")
-        return False
     return quantization == "mxfp4" or torch.device(device).type == "cuda"
 
 
@@ -131,7 +119,7 @@ def load_target(path: Path, dtype: torch.dtype, device: torch.device | str, tp_s
                 shard: Shard | None = None, quantization: Quantization = "auto") -> GptOss:
     cfg = GptOssConfig.from_hf(read_json(path / "config.json"))
     ckpt = SafetensorsDir(path)
-    packed = keep_mxfp4(cfg, ckpt, device, tp_size, quantization)
+    packed = keep_mxfp4(ckpt, device, quantization)
     with torch.device("meta"):
         full = GptOss(cfg, mxfp4_experts=packed)
         model = GptOss(cfg, tp_size, mxfp4_experts=packed)
@@ -174,7 +162,7 @@ def _load(model: nn.Module, full: nn.Module, ckpt: SafetensorsDir,
             else:
                 value = optional[name]
             if shard is not None:
-                value = shard(name, value)
+                value = shard(name, value, t.shape)
             if value.shape != t.shape:
                 raise CheckpointError(f"{name}: shard shape {list(value.shape)} != parameter {list(t.shape)}")
             t.copy_(value)
@@ -257,8 +245,9 @@ def _write(tensors: dict[str, torch.Tensor], path: Path, config: dict, max_shard
 
 
 def load_drafter(path: Path, target: GptOss, dtype: torch.dtype, device: torch.device | str,
-                 shard: Shard | None = None) -> Drafter:
-    """Load an EAGLE-3 / P-EAGLE head and check that it fits `target`."""
+                 shard: Shard | None = None, target_path: Path | None = None) -> Drafter:
+    """Load an EAGLE-3 / P-EAGLE head and check that it fits `target`. A head without its own LM head takes the
+    target's: from `target_path`'s checkpoint when the target holds only its tensor-parallel slice of it."""
     cfg = DrafterConfig.from_hf(read_json(path / "config.json"))
     tcfg = target.config
     if cfg.target_hidden_size != tcfg.hidden_size:
@@ -279,10 +268,17 @@ def load_drafter(path: Path, target: GptOss, dtype: torch.dtype, device: torch.d
     optional = {"d2t": torch.zeros(cfg.draft_vocab_size, dtype=torch.long)}
     if cfg.hidden_size == tcfg.hidden_size:
         optional["embed_tokens.weight"] = target.model.embed_tokens.weight
-        if cfg.draft_vocab_size == tcfg.vocab_size:
-            optional["lm_head.weight"] = target.lm_head.weight
+        if cfg.draft_vocab_size == tcfg.vocab_size and "lm_head.weight" not in ckpt.shapes:
+            optional["lm_head.weight"] = target.lm_head.weight if target.lm_head.world == 1 \
+                else _target_tensor(target_path, "lm_head.weight")
     _load(model, full, ckpt, lambda n: ([n], lambda t: t), dtype, device, shard, optional, ignore=("t2d",))
     return model
+
+
+def _target_tensor(path: Path | None, name: str) -> torch.Tensor:
+    if path is None:
+        raise ValueError(f"the target holds a slice of {name}; pass target_path to read the whole tensor")
+    return SafetensorsDir(path).get(name)
 
 
 def save_drafter(model: Drafter, path: Path, exclude: tuple[str, ...] = ()) -> None:

@@ -3,11 +3,16 @@
 Parameter names follow the Hugging Face checkpoint, except the experts, which are kept out-major
 (`w1 [E, 2I, H]`, `w2 [E, H, I]`) like the MXFP4 blocks on disk; `loading` maps between them.
 With `mxfp4_experts` the expert matrices stay packed as on disk (`w1_blocks`/`w1_scales`, ...).
+Under tensor parallelism (`tp_size` N) each rank's layers hold its shard (`engine/tp.py`) and the LM head
+its slice of the vocabulary (`VocabParallelHead`).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from peagle_kernels.moe import Routing, moe, moe_mxfp4, norm_and_route
 from peagle_core.config import GptOssConfig, yarn_inv_freq
@@ -19,6 +24,19 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.bias = nn.Parameter(torch.zeros(num_experts))
+
+
+def expert_shard_size(inter: int, tp_size: int, mxfp4: bool) -> int:
+    """Each rank's share of the intermediate size. Packed MXFP4 experts split on whole 32-weight blocks (their scales
+    cover 32 channels): ceil(blocks / N) blocks a rank, the last rank's padded with zero channels (2880 at TP=4:
+    23 blocks = 736, the last rank 672 + 64 zeros). A zero channel adds exactly nothing: its gate and up are 0, so
+    its SwiGLU is 0 * sigmoid(0) * (0 + 1) = 0, and its down-projection column is 0 too."""
+    if not mxfp4:
+        return inter // tp_size
+    if inter % 32:
+        raise ValueError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of 32 (whole blocks), "
+                         f"got intermediate_size={inter}")
+    return -(-inter // (32 * tp_size)) * 32
 
 
 class Experts(nn.Module):
@@ -83,7 +101,7 @@ class MoE(nn.Module):
 
 def single_rank(t: torch.Tensor) -> torch.Tensor:
     """`DecoderLayer.all_reduce` without tensor parallelism: nothing to add up. Tensor parallelism replaces it
-    (`engine.tp.install_all_reduce`); a layer that still holds this very function may hand on MoE summands."""
+    (`engine.tp.install_collectives`); a layer that still holds this very function may hand on MoE summands."""
     return t
 
 
@@ -128,11 +146,51 @@ class Body(nn.Module):
         inv_freq, factor = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         rotary = self.rotary = Rotary(inv_freq, factor)  # one, shared by every layer (no parameters)
         heads, kv_heads = cfg.num_attention_heads // tp_size, cfg.num_key_value_heads // tp_size
-        inter = cfg.intermediate_size // tp_size
+        inter = expert_shard_size(cfg.intermediate_size, tp_size, mxfp4_experts)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, heads, kv_heads, inter, mxfp4_experts)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head with its vocabulary split evenly over N tensor-parallel ranks: rank r holds rows [r*S, (r+1)*S)
+    of the head padded to N*S rows (S = ceil(V / N); padding rows are zero and their logits -inf), so each rank
+    reads and computes only its slice. `place` (tensor parallelism) gives it its rank and the all-gather
+    (`t [R, ...] -> [N, R, ...]`, every rank's t).
+
+    forward(hidden, rows, greedy) of hidden[rows] (rows None: every row):
+      greedy   the argmax token [R]: each rank's (maximum, first index of it) is gathered and the first rank holding
+               the largest maximum wins, so ties go to the lowest token id, as torch.argmax over the whole row;
+      else     the full logits [R, V], all-gathered (sampling, penalties and log-probabilities need every token's).
+    """
+
+    def __init__(self, hidden: int, vocab: int, tp_size: int = 1):
+        super().__init__()
+        if vocab >= 1 << 24:
+            raise ValueError(f"vocab_size {vocab} too large: token ids are gathered as float32")
+        self.vocab, self.world, self.shard = vocab, tp_size, -(-vocab // tp_size)
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden))
+        self.rank = 0
+        self.all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def place(self, rank: int, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.rank, self.all_gather = rank, all_gather
+
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
+        x = F.linear(hidden if rows is None else hidden[rows], self.weight)
+        start = min(self.rank * self.shard, self.vocab)
+        end = min(start + self.shard, self.vocab)  # this slice's real ids: [start, end)
+        if end - start < self.shard:
+            x[:, end - start:] = float("-inf")
+        if self.world == 1:
+            return x.argmax(-1) if greedy else x
+        if greedy:
+            best, idx = x.float().max(-1)
+            pairs = self.all_gather(torch.stack([best, (idx + start).float()], -1))  # [N, R, 2]
+            winner = pairs[..., 0].argmax(0)  # the first rank with the largest maximum
+            return pairs[..., 1].gather(0, winner[None])[0].long()
+        return self.all_gather(x).permute(1, 0, 2).reshape(x.shape[0], -1)[:, :self.vocab]
 
 
 class GptOss(nn.Module):
@@ -145,7 +203,7 @@ class GptOss(nn.Module):
         self.config = cfg
         self.mxfp4_experts = mxfp4_experts
         self.model = Body(cfg, tp_size, mxfp4_experts)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp_size)
         self.aux_layer_ids: list[int] = []  # residual streams entering these layers go to the drafter
 
     def set_aux_layers(self, ids: list[int]) -> None:
@@ -168,8 +226,13 @@ class GptOss(nn.Module):
         aux_cat = torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
         return normed, aux_cat
 
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [R, V] of hidden[rows] (rows None: all)."""
+        return self.lm_head(hidden, rows, False)
+
+    def greedy_tokens(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """argmax(compute_logits(hidden, rows)) [R], without gathering the logits under tensor parallelism."""
+        return self.lm_head(hidden, rows, True)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
