@@ -2,8 +2,8 @@
 
 `ModelRunner.execute` owns the step, which reads like the method (DESIGN.md, "One engine step"):
   1. target forward over every request's `[uncomputed tokens, drafts[:k]]`, keeping the aux hidden states;
-  2. accept/reject the drafts against the target (greedy from each row's argmax alone, else rejection sampling
-     over the full logits) and pick the bonus token;
+  2. accept/reject the drafts against the target (rejection sampling over the full logits; greedy with a split
+     head, from each row's argmax alone) and pick the bonus token;
   3. rejected K/V need no work: the request's length rolls back and later writes overwrite them;
   4. drafter (`drafting.Proposer`): P-EAGLE runs ONE forward over `[accepted, bonus, MASK x (K-1)]` and reads K
      drafts; EAGLE-3 runs one forward over `[accepted, bonus]`, then K-1 single-token passes feeding itself back;
@@ -225,8 +225,10 @@ class ModelRunner:
         reqs = [batch[i].req for i in inp.sampling_host]
         wants = [r.params.logprobs for r in reqs]
         lps = None
-        if all(r.params.greedy and not needs_processing(r.params) and r.params.logprobs is None for r in reqs):
-            # each row's argmax is all greedy acceptance reads (under tensor parallelism: per-rank maxima, gathered)
+        if self.target.lm_head.world > 1 and all(r.params.greedy and not needs_processing(r.params)
+                                                 and r.params.logprobs is None for r in reqs):
+            # a split head: each row's argmax (per-rank maxima, gathered) is all greedy acceptance reads. One rank
+            # keeps the full logits and the one-launch Triton verify, whose argmax scan costs less than these ops
             sampled, accepted = greedy_verify(self.target.greedy_tokens(hidden, rows), inp.draft_ids, inp.cu,
                                               max_rows=self.K + 1)
         else:
