@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from peagle_cluster import protocol as P
+from peagle_core import SamplingParams
 from peagle_cluster.fields import field_table, support
 from peagle_cluster.router import api
 from test_cluster_app import ARGS, KEY, loop, server  # noqa: F401  (the in-process app's fixtures)
@@ -142,15 +143,11 @@ CALL_REPLY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>as
 
 
 def decode_all(tok, reply: str, prefix: str = "", step: int = 1):
-    """Feed a reply's token ids `step` at a time; concatenate what the decoder emits."""
-    from peagle_core.loading.harmony import ChatDecoder
-
+    """Feed a reply's token ids `step` at a time through a chat request's output path; concatenate what it emits."""
     ids = tok.encode(reply)
-    dec = ChatDecoder(tok, prefix=prefix)
     content, reasoning, calls = "", "", {}
-    for i in range(0, len(ids), step):
-        d = dec.push(ids[i:i + step], final=i + step >= len(ids))
-        content, reasoning = content + d.content, reasoning + d.reasoning
+    for d in _replay(tok, [0], ids, SamplingParams(), prefix, step):
+        content, reasoning = content + d.text, reasoning + d.reasoning
         for c in d.tool_calls:
             calls.setdefault(c["index"], {"name": None, "arguments": ""})
             if "name" in c:
@@ -195,19 +192,31 @@ def test_a_forced_call_starts_inside_the_header(server):
 def scripted(server, reply: str, prompts: list[str], per_step: int = 2):
     """A stand-in for the engine's `generate` that answers `reply` (a harmony string), `per_step` tokens a step,
     and records each prompt it was given as text (the tiny model will not call tools by itself)."""
-    from peagle_core import CompletionOutput, RequestOutput
+    from peagle_core.engine.output import delta_output
 
     tok = server.llm.tokenizer
 
-    async def generate(prompt, params, request_id):
+    async def generate(prompt, params, request_id, chat_prefix=None):
         prompts.append(tok.decode(prompt, skip_special_tokens=False))
-        ids = tok.encode(reply)
-        for i in range(0, len(ids), per_step):
-            new, done = ids[i:i + per_step], i + per_step >= len(ids)
-            yield RequestOutput(request_id, None, list(prompt),
-                                [CompletionOutput(0, tok.decode(new), new, "stop" if done else None)], finished=done,
-                                metrics={"num_prompt_tokens": len(prompt)})
+        for req, new, d in _replay(tok, prompt, tok.encode(reply), params, chat_prefix, per_step, with_req=True):
+            yield delta_output(req, new, d, None)
     return generate
+
+
+def _replay(tok, prompt, ids, params, chat_prefix, step, with_req=False):
+    """The engine's output path (`OutputState`) over a reply given as ids, `step` ids a step."""
+    from peagle_core.engine.output import OutputState
+    from peagle_core.engine.request import Request, Status
+
+    req = Request("replay", list(prompt), params)
+    state = OutputState(tok, params, chat_prefix)
+    for i in range(0, len(ids), step):
+        new = ids[i:i + step]
+        req.token_ids += new
+        if i + step >= len(ids):
+            req.status, req.finish_reason = Status.FINISHED, "stop"
+        d = state.update(req)
+        yield (req, new, d) if with_req else d
 
 
 def test_tool_calls_through_the_openai_client(loop, server, monkeypatch):
