@@ -546,3 +546,78 @@ def test_several_prompts_in_one_completions_request(loop, server):
 
     e = refused_by(loop, complete, prompt=["fine", " ".join(map(str, range(400)))], max_tokens=2)
     assert "prompt 1" in e.body["message"] and e.body["code"] == "context_length_exceeded"
+
+
+# --------------------------------------------------------------------------------------------
+# n, allowed_token_ids, bad_words, min_tokens with stop strings (their exactness: test_logits_processors.py)
+# --------------------------------------------------------------------------------------------
+
+def _offline():
+    from peagle_core import LLM
+
+    return LLM("tiny", device="cpu", dtype="float32", max_model_len=256, speculative_config=ARGS["speculative_config"])
+
+
+def test_n_samples_are_the_seeded_single_requests_on_both_endpoints(loop, server):
+    kw = dict(max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
+    singles = [complete(loop, seed=7 + i, **kw) for i in range(3)]
+    r = complete(loop, n=3, seed=7, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert r.usage.completion_tokens == 30 and r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    # several prompts and n: choice index = prompt x n + sample
+    two = complete(loop, prompt=["Once", "Hello"], n=2, seed=7, **kw)
+    hello = [complete(loop, prompt="Hello", seed=7 + i, **kw).choices[0].text for i in range(2)]
+    assert [c.text for c in two.choices] == [s.choices[0].text for s in singles[:2]] + hello
+
+    chats = [chat(loop, seed=3 + i, **kw).choices[0].message for i in range(2)]
+    c = chat(loop, n=2, seed=3, **kw)
+    assert [(x.index, x.message.content, x.message.model_extra.get("reasoning")) for x in c.choices] == \
+        [(i, m.content, m.model_extra.get("reasoning")) for i, m in enumerate(chats)]
+
+    async def stream(**body):
+        async with client() as cl:
+            s = await cl.chat.completions.create(model="tiny", messages=USER, stream=True,
+                                                 stream_options={"include_usage": True}, **body)
+            return [ch async for ch in s]
+    chunks = loop.run(stream(n=2, seed=3, **kw))
+    for i, m in enumerate(chats):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == c.choices[i].finish_reason
+        assert "".join(x.delta.content or "" for x in mine) == (m.content or "")
+        assert "".join(x.delta.model_extra.get("reasoning") or "" for x in mine) == (m.model_extra.get("reasoning") or "")
+    assert chunks[-1].usage.completion_tokens == c.usage.completion_tokens == 20
+    # unseeded samples are independent draws
+    free = complete(loop, n=4, **kw)
+    assert len({x.text for x in free.choices}) == 4
+
+
+def test_allowed_token_ids_bad_words_and_min_tokens_reach_the_engine(loop, server):
+    from peagle_core import SamplingParams
+    from peagle_core.engine.logits_processors import bad_words_ids
+
+    llm = _offline()
+    tok = llm.tokenizer
+    prompt = tok.encode("Once upon a time")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    allowed = sorted(set(free.token_ids[2:6]) | set(range(100, 160)))
+    words = [tok.decode(free.token_ids[i:i + 2]) for i in (0, 4)]
+    text = free.text
+    stop = text[1:3]
+    for body in ({"allowed_token_ids": allowed}, {"bad_words": words}, {"min_tokens": 6, "stop": [stop]}):
+        sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **body)
+        want = llm.generate([prompt], sp)[0].outputs[0]
+        if "allowed_token_ids" in body:
+            assert set(want.token_ids) <= set(allowed)
+        if "bad_words" in body:
+            bad = bad_words_ids(tok, words)
+            assert not any(want.token_ids[i:i + len(w)] == w for w in bad for i in range(len(want.token_ids)))
+        stop_kw = {"stop": body.pop("stop")} if "stop" in body else {}
+        r = complete(loop, prompt=prompt, max_tokens=20, temperature=0, **stop_kw,
+                     extra_body={"ignore_eos": True, **body})
+        assert r.choices[0].text == want.text != text
+    for bad, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
+                       ({"allowed_token_ids": [10**9]}, "allowed_token_ids"), ({"bad_words": [""]}, "bad_words"),
+                       ({"allowed_token_ids": [-1]}, "allowed_token_ids"), ({"n": 65}, "n")):
+        e = refused_by(loop, complete, max_tokens=1, extra_body=bad)
+        assert (e.body["param"] or "").startswith(param), e.body
