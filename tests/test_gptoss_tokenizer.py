@@ -21,6 +21,7 @@ pytest.importorskip("bpe_openai")
 
 from gptoss_tokenizer import GENERATION_CONFIG, harmony_encoding, write_gptoss_tokenizer  # noqa: E402
 from test_harmony_reference import CONVERSATIONS, TOOLSETS, harmony_messages  # noqa: E402
+from test_tokenizer import _stream  # noqa: E402
 
 GPTOSS_VOCAB = 201088  # config.json of openai/gpt-oss-20b and -120b
 MULTIBYTE = ["😀 emoji 🇺🇸👨‍👩‍👧‍👦!", "中文的文本，还有标点。", "日本語のテキストです", "한국어 텍스트", "Ünïcödé façade — “quotes”",
@@ -106,15 +107,8 @@ def test_streamed_multibyte_text_adds_up_to_decode_whatever_the_split(tok, bytew
     # some tokens end inside a character
     assert any("\ufffd" in tok.decode([i]) for text in MULTIBYTE for i in tok.encode(text))
     for text in MULTIBYTE:
-        ids = tok.encode(text)
         for _ in range(5):
-            d = IncrementalDetokenizer(tok, bytewise=bytewise)
-            deltas, i = [], 0
-            while i < len(ids):
-                n = rng.randint(1, 3)
-                deltas.append(d.push(ids[i:i + n]))
-                i += n
-            deltas.append(d.flush())
+            deltas = _stream(tok, tok.encode(text), rng, bytewise=bytewise)
             assert "".join(deltas) == text
             assert not any("\ufffd" in x for x in deltas)  # a character is sent whole, once complete
 
@@ -152,11 +146,11 @@ def test_engine_streams_multibyte_text_and_stops_on_it(llm, tok):
         cut = full.text.index(stop) + (len(stop) if include else 0)
         out = llm.generate("Say something:", p)[0].outputs[0]
         assert out.text == full.text[:cut] and out.finish_reason == "stop"
-        streamed = _stream(llm, "Say something:", p)
+        streamed = _engine_deltas(llm, "Say something:", p)
         assert "".join(streamed) == out.text
 
 
-def _stream(llm, prompt, params) -> list[str]:
+def _engine_deltas(llm, prompt, params) -> list[str]:
     """The engine's per-step text deltas for one request."""
     engine = llm.engine
     req = engine.add_request("stream-test", prompt, params)

@@ -105,14 +105,22 @@ def test_sampled_logprobs_follow_each_positions_true_history(engines, mode):
     sp = SamplingParams(temperature=0.7, top_k=50, max_tokens=32, seed=3, logprobs=0, presence_penalty=0.4,
                         frequency_penalty=0.2, repetition_penalty=1.2, min_p=0.02, logit_bias={13: 1.5},
                         min_tokens=8)
+    assert_logprobs_follow_the_reference(llm, target, prompt, sp).spec_decode_stats.num_accepted_tokens > 0
+
+
+def assert_logprobs_follow_the_reference(llm, target, prompt: list[int], sp: SamplingParams, tol: float = 2e-4):
+    """The emitted tokens' log-probabilities against `reference_logprobs` on their true histories."""
+    from peagle_core.engine.logits_processors import bad_words_ids
+
     o = llm.generate([prompt], sp)[0]
     out = o.outputs[0]
-    assert o.spec_decode_stats.num_accepted_tokens > 0
-    ref = reference_logprobs(target, prompt, out.token_ids, sp, llm.engine.stop_ids)
+    ref = reference_logprobs(target, prompt, out.token_ids, sp, llm.engine.stop_ids,
+                             bad_words_ids(llm.tokenizer, sp.bad_words))
     got = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)]
     want = [ref[i, t].item() for i, t in enumerate(out.token_ids)]
     assert all(math.isfinite(w) for w in want)
-    assert got == pytest.approx(want, abs=2e-4)
+    assert got == pytest.approx(want, abs=tol)
+    return o
 
 
 def _contains(ids: list[int], word: list[int]) -> bool:
@@ -142,22 +150,12 @@ def test_allowed_token_ids_and_bad_words_hold_with_and_without_speculation(engin
 
 @pytest.mark.parametrize("mode", list(SPEC))
 def test_sampled_logprobs_with_allowed_ids_and_bad_words_follow_each_positions_true_history(engines, mode):
-    from peagle_core.engine.logits_processors import bad_words_ids
-
     target = load_target(resolve("tiny"), torch.float32, "cpu")
     llm = engines[mode]
     prompt = llm.tokenizer.encode("Once upon a time")
     sp = SamplingParams(temperature=0.8, max_tokens=32, seed=4, logprobs=0, allowed_token_ids=list(range(30, 400)),
                         bad_words=["the", " there was", "once upon"])
-    o = llm.generate([prompt], sp)[0]
-    out = o.outputs[0]
-    assert o.spec_decode_stats.num_accepted_tokens > 0
-    ref = reference_logprobs(target, prompt, out.token_ids, sp, llm.engine.stop_ids,
-                             bad_words_ids(llm.tokenizer, sp.bad_words))
-    got = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)]
-    want = [ref[i, t].item() for i, t in enumerate(out.token_ids)]
-    assert all(math.isfinite(w) for w in want)
-    assert got == pytest.approx(want, abs=2e-4)
+    assert assert_logprobs_follow_the_reference(llm, target, prompt, sp).spec_decode_stats.num_accepted_tokens > 0
 
 
 def test_bad_words_are_each_word_as_written_and_after_a_space(engines):

@@ -7,17 +7,14 @@ on the CPU) within fp32 tolerance. Run: pytest -m gpu tests/test_processors_gpu.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from peagle_core import LLM, SamplingParams
-from peagle_core.engine.logits_processors import bad_words_ids
 from peagle_core.loading.checkpoint import load_target
 from peagle_core.loading.hub import resolve
 
-from test_logits_processors import SPEC, reference_logprobs
+from test_logits_processors import SPEC, assert_logprobs_follow_the_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -61,11 +58,4 @@ def test_logprobs_with_processors_under_graphs_equal_a_plain_forward(engines, mo
                               min_tokens=8),
                SamplingParams(temperature=0.8, max_tokens=32, seed=4, logprobs=0,
                               allowed_token_ids=list(range(30, 400)), bad_words=["the", " there was"])):
-        o = llm.generate([prompt], sp)[0]
-        out = o.outputs[0]
-        ref = reference_logprobs(target, prompt, out.token_ids, sp, llm.engine.stop_ids,
-                                 bad_words_ids(llm.tokenizer, sp.bad_words))
-        got = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)]
-        want = [ref[i, t].item() for i, t in enumerate(out.token_ids)]
-        assert all(math.isfinite(w) for w in want)
-        assert got == pytest.approx(want, abs=2e-3)
+        assert_logprobs_follow_the_reference(llm, target, prompt, sp, tol=2e-3)  # GPU against CPU, in fp32
