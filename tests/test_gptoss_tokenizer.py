@@ -8,6 +8,7 @@ own `decode` of all ids (what every stream must add up to).
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,7 @@ def ckpt(tmp_path_factory, enc):
     """A GPT-OSS checkpoint directory: the real tokenizer files and a tiny random model of GPT-OSS's vocabulary."""
     d = tmp_path_factory.mktemp("gptoss")
     write_gptoss_tokenizer(d, enc)
-    cfg = tiny_target_config(vocab_size=GPTOSS_VOCAB, num_hidden_layers=2, eos_token_id=GENERATION_CONFIG["eos_token_id"],
+    cfg = tiny_target_config(vocab_size=GPTOSS_VOCAB, eos_token_id=GENERATION_CONFIG["eos_token_id"],
                              pad_token_id=GENERATION_CONFIG["pad_token_id"])
     build_target(d, cfg, seed=0, scale=4.0)
     return d
@@ -158,3 +159,78 @@ def _engine_deltas(llm, prompt, params) -> list[str]:
     while not req.finished:
         deltas += [u.new_text for u in engine.step() if u.req is req]
     return deltas
+
+
+# --------------------------------------------------------------------------------------------
+# The 20B and 120B serve configs, as shipped but for the checkpoint (this one) and the device (the CPU)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["gpt-oss-20b.yaml", "gpt-oss-120b.yaml"])
+def served(request, ckpt, tmp_path_factory):
+    """The config's application args with `model`, `tokenizer` and the drafter pointing at local checkpoints of
+    GPT-OSS's vocabulary, run in-process by a replica and the router (tests/test_cluster_app.py's harness)."""
+    import yaml
+
+    from peagle_cluster.replica import EngineServer
+    from peagle_cluster.router import Frontend, install_frontend
+    from peagle_cluster.settings import parse_app_args
+    from peagle_core.testing import build_drafter
+    from test_cluster_app import KEY, LocalHandle, Loop
+
+    drafter = tmp_path_factory.mktemp("drafter")
+    build_drafter(drafter, tiny_target_config(vocab_size=GPTOSS_VOCAB), parallel=True)
+    config = Path(__file__).resolve().parents[1] / "configs" / request.param
+    args = yaml.safe_load(config.read_text())["applications"][0]["args"]
+    name = args["model"]  # served under the config's name
+    args |= {"served_model_name": name, "model": str(ckpt), "tokenizer": str(ckpt), "device": "cpu", "dtype": "float32", "max_model_len": 512,
+             "max_num_seqs": 4, "max_num_batched_tokens": 512, "api_key": KEY}
+    args["speculative_config"] = args["speculative_config"] | {"model": str(drafter), "num_speculative_tokens": 3}
+    settings = parse_app_args(args)
+    loop = Loop()
+    server = loop.run(_make_server(EngineServer, Frontend, install_frontend, LocalHandle, settings))
+    yield loop, name
+    server.shutdown()
+    loop.close()
+
+
+async def _make_server(EngineServer, Frontend, install_frontend, LocalHandle, settings):
+    server = EngineServer(settings.model_dump(), replica_id="gptoss-config")
+    install_frontend(Frontend(settings, LocalHandle(server)))
+    return server
+
+
+def test_the_configs_text_path_with_the_gptoss_tokenizer(served, enc):
+    """Through the openai client: the prompt the server counts is openai-harmony's rendering; multi-byte text
+    in and out; streamed chat deltas add up to the whole reply; /tokenize and /detokenize are o200k's."""
+    import openai
+    import httpx
+
+    from peagle_core.loading.tokenizer import today
+    from peagle_cluster.router import api
+    from test_cluster_app import KEY
+
+    def client():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://peagle/v1")
+        return openai.AsyncOpenAI(base_url="http://peagle/v1", api_key=KEY, http_client=http, max_retries=0)
+
+    messages = [{"role": "system", "content": "回答要简短 😀"}, {"role": "user", "content": "日本語で答えて: 🇺🇸?"}]
+    want = enc.render_conversation_for_completion(harmony_messages(messages, [], "medium", today()), H.Role.ASSISTANT)
+    loop, name = served
+    kw = dict(model=name, messages=messages, max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+
+    async def go():
+        async with client() as c:
+            whole = await c.chat.completions.create(**kw)
+            chunks = [ch async for ch in await c.chat.completions.create(**kw, stream=True)]
+            tokens = await c.post("/../tokenize", cast_to=object, body={"prompt": MULTIBYTE[-1]})
+            text = await c.post("/../detokenize", cast_to=object, body={"tokens": tokens["tokens"]})
+            return whole, chunks, tokens, text
+
+    whole, chunks, tokens, text = loop.run(go())
+    assert whole.usage.prompt_tokens == len(want) and whole.usage.completion_tokens == 24
+    m = whole.choices[0].message
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    reasoning = "".join(ch.choices[0].delta.model_extra.get("reasoning") or "" for ch in chunks if ch.choices)
+    assert (streamed, reasoning) == (m.content or "", m.model_extra.get("reasoning") or "")
+    assert tokens["tokens"] == enc.encode(MULTIBYTE[-1], allowed_special="all") and text["prompt"] == MULTIBYTE[-1]
