@@ -371,20 +371,8 @@ class Frontend:
         metrics, the usage chunk sums the choices. An error after the 200 is an error event, then [DONE]."""
         created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
         show_reasoning = not chat or req.include_reasoning is not False
-        choices, queue = [_Choice() for _ in streams], asyncio.Queue()
-
-        async def pump(k: int, ev: dict[str, Any], stream) -> None:
-            try:
-                while True:
-                    await queue.put((k, ev))
-                    if ev["event"] != "delta":
-                        return
-                    ev = await _next_event(stream)
-            except APIError as e:
-                await queue.put((k, {"event": "error", "status": e.status, "message": e.message, "param": e.param,
-                                     "code": e.code}))
-
-        tasks = [asyncio.ensure_future(pump(k, f, s)) for k, (f, s) in enumerate(zip(firsts, streams))]
+        choices = [_Choice() for _ in streams]
+        events = _merged(firsts, streams)
         done, totals, completed = 0, [0, 0, 0], False
         try:
             if chat:
@@ -392,7 +380,7 @@ class Frontend:
                     yield P.sse(P.chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None,
                                              include_usage, index=k))
             while done < len(streams):
-                k, ev = await queue.get()
+                k, ev = await events.__anext__()
                 c = choices[k]
                 if ev["event"] == "delta":
                     c.t_first, c.t_last = self._token_times(ev, c.t_first, c.t_last)
@@ -436,8 +424,7 @@ class Frontend:
             yield P.SSE_DONE
             self.metrics.observe(route, 200, time.perf_counter() - t0)
         finally:
-            for t in tasks:
-                t.cancel()
+            await events.aclose()
             if not completed:
                 # The client disconnected (Starlette closed this generator): cancel the replica calls, whose
                 # generators close the engine streams, which abort the requests and free their KV blocks.
@@ -446,6 +433,39 @@ class Frontend:
                 span.set_attribute("peagle.client_disconnected", True)
                 self.metrics.observe(route, 499)
             span.end()
+
+
+async def _merged(firsts: list[dict], streams: list) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """Every choice's events as they come, as (index, event), each stream ending at its first non-delta event (a
+    failed read becomes an error event). One stream is read in line; several through a queue of one, so no
+    stream is read ahead of the client (a slow client holds its engine slot instead of piling output up here)."""
+    async def events(ev: dict[str, Any], stream) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            yield ev
+            if ev["event"] != "delta":
+                return
+            try:
+                ev = await _next_event(stream)
+            except APIError as e:
+                ev = {"event": "error", "status": e.status, "message": e.message, "param": e.param, "code": e.code}
+
+    if len(streams) == 1:
+        async for ev in events(firsts[0], streams[0]):
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump(k: int, first: dict[str, Any], stream) -> None:
+        async for ev in events(first, stream):
+            await queue.put((k, ev))
+
+    tasks = [asyncio.ensure_future(pump(k, f, s)) for k, (f, s) in enumerate(zip(firsts, streams))]
+    try:
+        while True:
+            yield await queue.get()
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class _Choice:
@@ -534,16 +554,21 @@ async def _call(method) -> Any:
 async def _first_events(streams: list, label) -> list[dict[str, Any]]:
     """Every choice's first event: a choice the replica refuses (its first event an error) fails the request,
     with a 4xx naming the prompt (`label`), and the other choices are cancelled."""
-    firsts = await asyncio.gather(*(_first_event(s) for s in streams), return_exceptions=True)
-    bad = next(((k, f) for k, f in enumerate(firsts) if isinstance(f, BaseException) or f["event"] == "error"), None)
-    if bad is None:
-        return firsts
-    for s in streams:
-        s.cancel()
-    k, f = bad
-    if isinstance(f, BaseException):
-        raise f if isinstance(f, APIError) else _ray_error(f)
-    raise APIError(f["status"], label(k) + f["message"], f.get("param"), f.get("code"))
+    firsts = []
+    for k, s in enumerate(streams):  # in turn: the calls are all under way
+        try:
+            f = await _first_event(s)
+        except BaseException:
+            # this call failed (a refusal, backpressure): cancelling it as well left Serve's 503 undelivered
+            for other in streams[:k] + streams[k + 1:]:
+                other.cancel()
+            raise
+        if f["event"] == "error":
+            for other in streams:
+                other.cancel()
+            raise APIError(f["status"], label(k) + f["message"], f.get("param"), f.get("code"))
+        firsts.append(f)
+    return firsts
 
 
 async def _first_event(stream) -> dict[str, Any]:
