@@ -725,7 +725,7 @@ def _fuzz_bodies():
     fields = {"model": field(st.just("tiny")), "max_tokens": field(st.integers(1, 6)),
               "temperature": field(st.floats(0, 2)), "top_p": field(st.floats(0.01, 1)),
               "top_k": field(st.integers(-1, 300)), "seed": field(st.integers(-2**63, 2**64 - 1)),
-              "n": field(st.just(1)), "stop": field(st.lists(text.filter(bool), max_size=4)),
+              "n": field(st.integers(1, 2)), "stop": field(st.lists(text.filter(bool), max_size=4)),
               "stream": field(st.booleans()), "logprobs": field(st.just(False)), "ignore_eos": field(st.booleans()),
               "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
               "max_completion_tokens": field(st.integers(1, 6)),
