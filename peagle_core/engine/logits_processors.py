@@ -9,8 +9,8 @@ residual distribution and log-probabilities all use the processed distribution: 
 exactly as non-speculative decoding with the same settings (greedy: the same tokens).
 
 The order is vLLM's: allowed_token_ids and bad_words, logit_bias and min_tokens, then the penalties
-(repetition on prompt and output, presence and frequency on the output), then min_p on the temperature-scaled distribution (top-k and
-top-p follow inside the sampler). Steps where no request uses any of them skip all this.
+(repetition on prompt and output, presence and frequency on the output), then min_p on the temperature-scaled
+distribution (top-k and top-p follow inside the sampler). Steps where no request uses any of them skip all this.
 """
 from __future__ import annotations
 
