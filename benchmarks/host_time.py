@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peagle_core import SamplingParams  # noqa: E402
 from peagle_core.config import parse_engine_config  # noqa: E402
 from peagle_core.engine.llm_engine import LLMEngine  # noqa: E402
-from peagle_core.engine.output import TextState  # noqa: E402
+from peagle_core.engine.output import OutputState  # noqa: E402
 
 
 class Loop:
@@ -61,7 +61,7 @@ def measure(requests: int, max_tokens: int, policy: str, k: int, max_model_len: 
     parts: dict[str, float] = {}
     wrapped = [(engine.runner, "execute", "execute"), (engine.policy, "choose", "choose"),
                (engine.policy, "observe", "observe"), (engine.scheduler, "schedule", "schedule"),
-               (engine, "_append", "append"), (TextState, "update", "text")]
+               (engine, "_append", "append"), (OutputState, "update", "text")]
     originals = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in wrapped]
     for obj, name, part in wrapped:
         timed(obj, name, part, parts)

@@ -41,11 +41,11 @@ def run_generate(args) -> int:
                 "parallel_drafting": args.mode == "peagle", "adaptive": args.adaptive}
     llm = LLM(args.model, speculative_config=spec, device=args.device, dtype=args.dtype,
               tensor_parallel_size=args.tensor_parallel_size, revision=args.revision, download_dir=args.download_dir)
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
-               for p in args.prompt]
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
+    # --chat: each prompt a user message; the text is the reply's final channel
+    outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], sp) if args.chat \
+        else llm.generate(args.prompt, sp)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.stats
@@ -54,7 +54,7 @@ def run_generate(args) -> int:
                "acceptance_length": stats.acceptance_length, "num_drafts": stats.num_drafts,
                "num_draft_tokens": stats.num_draft_tokens, "num_accepted_tokens": stats.num_accepted_tokens,
                "num_accepted_tokens_per_pos": stats.num_accepted_tokens_per_pos}
-    texts = [answer(llm.tokenizer, o.outputs[0].token_ids) if args.chat else o.outputs[0].text for o in outs]
+    texts = [o.outputs[0].text for o in outs]
     if args.json:
         print(json.dumps({"outputs": texts, **summary}))
         return 0
@@ -65,13 +65,6 @@ def run_generate(args) -> int:
     print(f"{tokens} tokens in {seconds:.2f} s ({tokens / seconds:.1f} tok/s), {llm.engine.num_steps} steps; "
           f"acceptance length {stats.acceptance_length:.2f}; per-position acceptance {' '.join(per_pos) or '-'}")
     return 0
-
-
-def answer(tokenizer, ids: list[int]) -> str:
-    """The final-channel text of a harmony chat reply (reasoning and headers dropped)."""
-    from peagle_core.loading.harmony import ChatDecoder
-
-    return ChatDecoder(tokenizer).push(ids, final=True)[0]
 
 
 def add_bench_parser(sub) -> None:

@@ -252,7 +252,7 @@ BAD = [
     ("top-p-zero", "/v1/completions", {"prompt": "a", "top_p": 0}, None, 400, "top_p", None),
     ("top-k-zero", "/v1/completions", {"prompt": "a", "top_k": 0}, None, 400, "top_k", None),
     ("max-tokens-zero", "/v1/completions", {"prompt": "a", "max_tokens": 0}, None, 400, "max_tokens", None),
-    ("n-two", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, None, 400, "n", None),
+    ("choices-past-64", "/v1/completions", {"prompt": ["a", "b"], "n": 33}, None, 400, "n", None),
     ("logprobs-over-20", "/v1/completions", {"prompt": "a", "logprobs": 21}, None, 400, "logprobs", None),
     ("five-stops", "/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, None, 400, "stop", None),
     ("out-of-vocab-id", "/v1/completions", {"prompt": [10**9]}, None, 400, None, None),
@@ -421,8 +421,8 @@ def _failing_generate(real, after: int):
     """Wrap llm.generate: pass `after` outputs through, then fail like a broken engine step."""
     from peagle_core.engine.async_llm import EngineError
 
-    async def gen(prompt, params, request_id):
-        agen = real(prompt, params, request_id)
+    async def gen(prompt, params, request_id, *rest):
+        agen = real(prompt, params, request_id, *rest)
         try:
             n = 0
             async for out in agen:
@@ -474,7 +474,7 @@ def test_failure_touches_only_the_failing_request(loop, server, monkeypatch):
     real = server.llm.generate
     failing = _failing_generate(real, after=1)
     monkeypatch.setattr(server.llm, "generate",
-                        lambda p, sp, rid: failing(p, sp, rid) if sp.seed == 13 else real(p, sp, rid))
+                        lambda p, sp, rid, *a: failing(p, sp, rid, *a) if sp.seed == 13 else real(p, sp, rid, *a))
 
     async def both():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://peagle") as c:
@@ -725,7 +725,7 @@ def _fuzz_bodies():
     fields = {"model": field(st.just("tiny")), "max_tokens": field(st.integers(1, 6)),
               "temperature": field(st.floats(0, 2)), "top_p": field(st.floats(0.01, 1)),
               "top_k": field(st.integers(-1, 300)), "seed": field(st.integers(-2**63, 2**64 - 1)),
-              "n": field(st.just(1)), "stop": field(st.lists(text.filter(bool), max_size=4)),
+              "n": field(st.integers(1, 2)), "stop": field(st.lists(text.filter(bool), max_size=4)),
               "stream": field(st.booleans()), "logprobs": field(st.just(False)), "ignore_eos": field(st.booleans()),
               "stream_options": field(st.fixed_dictionaries({"include_usage": st.booleans()})),
               "max_completion_tokens": field(st.integers(1, 6)),

@@ -251,8 +251,9 @@ def test_openai_client_sees_typed_errors(client):
         client.completions.create(model="nope", prompt="a")
     assert "does not exist" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=3)
-    assert e.value.body["param"] == "n"
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0).models.list()
 

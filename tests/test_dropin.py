@@ -123,7 +123,7 @@ def test_serve_refuses_bad_flags_before_starting_ray(capsys):
 
 def test_llm_chat_renders_as_the_server_and_splits_the_reply():
     from peagle_core import LLM, SamplingParams
-    from peagle_core.loading.harmony import ChatDecoder
+    from peagle_core.loading.harmony import HarmonyParser
     from peagle_core.loading.tokenizer import today
 
     llm = LLM("tiny", device="cpu", dtype="float32", max_model_len=256, speculative_config=SPEC)
@@ -136,8 +136,8 @@ def test_llm_chat_renders_as_the_server_and_splits_the_reply():
     assert out.prompt_token_ids == prompt
     plain = llm.generate([prompt], sp)[0].outputs[0]
     assert out.outputs[0].token_ids == plain.token_ids
-    d = ChatDecoder(tok).push(plain.token_ids, final=True)
-    assert (out.outputs[0].text, out.outputs[0].reasoning) == (d.content, d.reasoning) and out.outputs[0].text
+    d = HarmonyParser().feed("<|start|>assistant" + tok.decode(plain.token_ids, False), final=True)  # the whole reply
+    assert (out.outputs[0].text, out.outputs[0].reasoning or "") == (d.content, d.reasoning) and out.outputs[0].text
     two = llm.chat([conv, conv + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And?"}]],
                    sp, tools=tools, reasoning_effort="low")
     assert len(two) == 2 and all("namespace functions" in tok.decode(o.prompt_token_ids, False) for o in two)

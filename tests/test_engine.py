@@ -264,9 +264,9 @@ def test_host_time_benchmark_runs_the_engine_loop_and_reports_its_host_share():
     assert 0 < r["host_us_per_step"] < 1e6 and r["first_quarter_us"] > 0 and r["last_quarter_us"] > 0
     parts = [r[f"{p}_us_per_step"] for p in ("policy", "schedule", "append", "text")]
     assert all(t > 0 for t in parts) and sum(parts) < r["host_us_per_step"]  # parts of the host time
-    from peagle_core.engine.output import TextState
+    from peagle_core.engine.output import OutputState
 
-    assert not hasattr(TextState.update, "__wrapped__")  # the class's method is unwrapped again
+    assert not hasattr(OutputState.update, "__wrapped__")  # the class's method is unwrapped again
     # --closed-loop: finished requests replaced, so it runs the steps asked for, past the first requests' end
     loop = host_time.measure(requests=2, max_tokens=4, policy="adaptive", k=3, max_model_len=256, closed_loop=12)
     assert loop["steps"] == 12 and loop["closed_loop"]

@@ -5,36 +5,21 @@ directory that TIKTOKEN_ENCODINGS_BASE names, so nothing is downloaded. Both are
 """
 from __future__ import annotations
 
-import gzip
-import hashlib
-import os
-from pathlib import Path
-
 import pytest
 
 from peagle_core.loading.harmony_tools import tools_section
 from peagle_core.loading.tokenizer import apply_chat_template
 
 H = pytest.importorskip("openai_harmony")
-bpe_openai = pytest.importorskip("bpe_openai")
-O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # tiktoken's own
+pytest.importorskip("bpe_openai")
+
+from gptoss_tokenizer import harmony_encoding  # noqa: E402  (the o200k file, unzipped and checked)
 
 
 @pytest.fixture(scope="module")
 def enc(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiktoken")
-    data = gzip.decompress((Path(bpe_openai.__file__).parent / "data" / "o200k_base.tiktoken.gz").read_bytes())
-    assert hashlib.sha256(data).hexdigest() == O200K_SHA256
-    (d / "o200k_base.tiktoken").write_bytes(data)
-    old = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
-    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(d)
-    try:
-        yield H.load_harmony_encoding(H.HarmonyEncodingName.HARMONY_GPT_OSS)
-    finally:
-        if old is None:
-            os.environ.pop("TIKTOKEN_ENCODINGS_BASE", None)
-        else:
-            os.environ["TIKTOKEN_ENCODINGS_BASE"] = old
+    with harmony_encoding(tmp_path_factory.mktemp("tiktoken")) as e:
+        yield e
 
 
 WEATHER = {"name": "get_weather", "description": "Get the weather",

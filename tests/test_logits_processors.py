@@ -1,4 +1,5 @@
-"""Penalties, min_tokens, logit_bias and min_p stay exact under speculative verification.
+"""Penalties, min_tokens, logit_bias, min_p, allowed_token_ids and bad_words stay exact under speculative
+verification; min_tokens holds stop strings back as vLLM does; n samples are the seeded single requests.
 
 Two oracles: greedy decoding with them gives the same tokens with P-EAGLE / EAGLE-3 as without
 speculation, and the log-probability of every emitted token (drafted or not) equals a reference that
@@ -19,7 +20,8 @@ from peagle_core.models.layers import ForwardMeta
 SPEC = {"peagle": {"method": "eagle3", "model": "tiny-peagle", "num_speculative_tokens": 3, "parallel_drafting": True},
         "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3}}
 SETTINGS = [dict(presence_penalty=0.5, frequency_penalty=0.3), dict(repetition_penalty=1.3),
-            dict(logit_bias={280: -5.0, 13: 2.0}), dict(presence_penalty=-0.4, repetition_penalty=0.8, min_p=0.05)]
+            dict(logit_bias={280: -5.0, 13: 2.0}), dict(presence_penalty=-0.4, repetition_penalty=0.8, min_p=0.05),
+            dict(allowed_token_ids=list(range(40, 120))), dict(bad_words=["the universe", "and"])]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +58,10 @@ def test_min_tokens_holds_stop_tokens_back(engines):
         assert engines[mode].generate([prompt], sp)[0].outputs[0].token_ids == plain.token_ids
 
 
-def reference_logprobs(target, prompt: list[int], out: list[int], sp: SamplingParams, stop_ids: set[int]):
-    """One position at a time: plain-forward logits, then bias, min_tokens, penalties on the true history,
-    temperature, min_p, top-k, top-p; log-softmax."""
+def reference_logprobs(target, prompt: list[int], out: list[int], sp: SamplingParams, stop_ids: set[int],
+                       bad: list[list[int]] = ()):
+    """One position at a time: plain-forward logits, then allowed ids, bad words (`bad`, as token ids), bias,
+    min_tokens, penalties on the true history, temperature, min_p, top-k, top-p; log-softmax."""
     ids = torch.tensor(prompt + out)
     with torch.no_grad():
         h, _ = target(ids, ForwardMeta.for_sequences([len(ids)]))
@@ -66,6 +69,13 @@ def reference_logprobs(target, prompt: list[int], out: list[int], sp: SamplingPa
     rows = []
     for t, x in enumerate(logits):
         x = x.clone()
+        if sp.allowed_token_ids is not None:
+            keep = x[sp.allowed_token_ids].clone()
+            x[:] = float("-inf")
+            x[sp.allowed_token_ids] = keep
+        for word in bad:
+            if len(word) - 1 <= t and out[t - len(word) + 1:t] == word[:-1]:
+                x[word[-1]] = float("-inf")
         for tok, b in (sp.logit_bias or {}).items():
             x[tok] += b
         if t < sp.min_tokens:
@@ -95,11 +105,99 @@ def test_sampled_logprobs_follow_each_positions_true_history(engines, mode):
     sp = SamplingParams(temperature=0.7, top_k=50, max_tokens=32, seed=3, logprobs=0, presence_penalty=0.4,
                         frequency_penalty=0.2, repetition_penalty=1.2, min_p=0.02, logit_bias={13: 1.5},
                         min_tokens=8)
+    assert_logprobs_follow_the_reference(llm, target, prompt, sp).spec_decode_stats.num_accepted_tokens > 0
+
+
+def assert_logprobs_follow_the_reference(llm, target, prompt: list[int], sp: SamplingParams, tol: float = 2e-4):
+    """The emitted tokens' log-probabilities against `reference_logprobs` on their true histories."""
+    from peagle_core.engine.logits_processors import bad_words_ids
+
     o = llm.generate([prompt], sp)[0]
     out = o.outputs[0]
-    assert o.spec_decode_stats.num_accepted_tokens > 0
-    ref = reference_logprobs(target, prompt, out.token_ids, sp, llm.engine.stop_ids)
+    ref = reference_logprobs(target, prompt, out.token_ids, sp, llm.engine.stop_ids,
+                             bad_words_ids(llm.tokenizer, sp.bad_words))
     got = [d[t].logprob for t, d in zip(out.token_ids, out.logprobs)]
     want = [ref[i, t].item() for i, t in enumerate(out.token_ids)]
     assert all(math.isfinite(w) for w in want)
-    assert got == pytest.approx(want, abs=2e-4)
+    assert got == pytest.approx(want, abs=tol)
+    return o
+
+
+def _contains(ids: list[int], word: list[int]) -> bool:
+    return any(ids[i:i + len(word)] == word for i in range(len(ids) - len(word) + 1))
+
+
+def test_allowed_token_ids_and_bad_words_hold_with_and_without_speculation(engines):
+    from peagle_core.engine.logits_processors import bad_words_ids
+
+    llm = engines["none"]
+    prompt = llm.tokenizer.encode("The quick brown fox")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    allowed = sorted(set(free.token_ids[2:6]) | set(range(100, 140)))  # some of what it says, and others
+    words = [llm.tokenizer.decode(free.token_ids[i:i + 2]) for i in (0, 6, 12)]  # two-token words it says
+    bad = bad_words_ids(llm.tokenizer, words)
+    assert any(_contains(free.token_ids, w) for w in bad)
+    for kw in (dict(allowed_token_ids=allowed), dict(bad_words=words), dict(allowed_token_ids=allowed, bad_words=words)):
+        for temperature, seed in ((0, None), (1.0, 5)):
+            sp = SamplingParams(temperature=temperature, seed=seed, max_tokens=40, ignore_eos=True, **kw)
+            outs = {m: engines[m].generate([prompt], sp)[0].outputs[0].token_ids for m in engines}
+            for ids in outs.values():
+                assert "allowed_token_ids" not in kw or set(ids) <= set(allowed)
+                assert "bad_words" not in kw or not any(_contains(ids, w) for w in bad)
+            if temperature == 0:  # greedy: speculation changes nothing
+                assert outs["peagle"] == outs["eagle3"] == outs["none"] != free.token_ids
+
+
+@pytest.mark.parametrize("mode", list(SPEC))
+def test_sampled_logprobs_with_allowed_ids_and_bad_words_follow_each_positions_true_history(engines, mode):
+    target = load_target(resolve("tiny"), torch.float32, "cpu")
+    llm = engines[mode]
+    prompt = llm.tokenizer.encode("Once upon a time")
+    sp = SamplingParams(temperature=0.8, max_tokens=32, seed=4, logprobs=0, allowed_token_ids=list(range(30, 400)),
+                        bad_words=["the", " there was", "once upon"])
+    assert assert_logprobs_follow_the_reference(llm, target, prompt, sp).spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_bad_words_are_each_word_as_written_and_after_a_space(engines):
+    from peagle_core.engine.logits_processors import bad_words_ids
+
+    tok = engines["none"].tokenizer
+    (bare, spaced) = bad_words_ids(tok, ["  fox"])
+    assert tok.decode(bare) == "fox" and tok.decode(spaced) == " fox"
+    assert bad_words_ids(tok, ["fox jumped"])[0] == tok.encode("fox jumped")
+
+
+def test_min_tokens_holds_stop_strings_back(engines):
+    """vLLM's: a stop string counts only where it ends after the text of the first min_tokens tokens."""
+    llm = engines["none"]
+    tok = llm.tokenizer
+    prompt = tok.encode("Once upon a time")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    stop = next(text[i:i + 2] for i in range(len(text)) if text.count(text[i:i + 2]) >= 2
+                and text.index(text[i:i + 2]) < len(tok.decode(free.token_ids[:4])))  # early, and again later
+    for m in (0, 8, 20):
+        early = len(tok.decode(free.token_ids[:m]))
+        cut = next((i for i in range(len(text)) if text.startswith(stop, i) and i + len(stop) > early), None)
+        sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop], min_tokens=m)
+        for mode, e in engines.items():
+            out = e.generate([prompt], sp)[0].outputs[0]
+            assert out.text == (text if cut is None else text[:cut]), (mode, m)
+            assert len(out.token_ids) >= m
+
+
+def test_n_samples_are_the_seeded_single_requests(engines):
+    llm = engines["peagle"]
+    prompt = "Once upon a time"
+    sp = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=2**64 - 2, n=3)
+    (o,) = llm.generate([prompt], sp)
+    assert [c.index for c in o.outputs] == [0, 1, 2]
+    singles = [llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s))[0]
+               for s in (2**64 - 2, 2**64 - 1, 0)]  # the seeds wrap around 64 bits
+    assert [c.token_ids for c in o.outputs] == [s.outputs[0].token_ids for s in singles]
+    assert [c.text for c in o.outputs] == [s.outputs[0].text for s in singles]
+    assert o.spec_decode_stats.num_drafts == sum(s.spec_decode_stats.num_drafts for s in singles)
+    unseeded = llm.generate([prompt, prompt], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, n=2))
+    samples = [c.token_ids for r in unseeded for c in r.outputs]
+    assert len(samples) == 4 and all(len(s) == 16 for s in samples)
+    assert len({tuple(s) for s in samples}) == 4  # independent draws (16 tokens alike by chance: negligible)

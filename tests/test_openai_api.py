@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from peagle_cluster import protocol as P
+from peagle_core import SamplingParams
 from peagle_cluster.fields import field_table, support
 from peagle_cluster.router import api
 from test_cluster_app import ARGS, KEY, loop, server  # noqa: F401  (the in-process app's fixtures)
@@ -142,15 +143,11 @@ CALL_REPLY = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>as
 
 
 def decode_all(tok, reply: str, prefix: str = "", step: int = 1):
-    """Feed a reply's token ids `step` at a time; concatenate what the decoder emits."""
-    from peagle_core.loading.harmony import ChatDecoder
-
+    """Feed a reply's token ids `step` at a time through a chat request's output path; concatenate what it emits."""
     ids = tok.encode(reply)
-    dec = ChatDecoder(tok, prefix=prefix)
     content, reasoning, calls = "", "", {}
-    for i in range(0, len(ids), step):
-        d = dec.push(ids[i:i + step], final=i + step >= len(ids))
-        content, reasoning = content + d.content, reasoning + d.reasoning
+    for d in _replay(tok, [0], ids, SamplingParams(), prefix, step):
+        content, reasoning = content + d.text, reasoning + d.reasoning
         for c in d.tool_calls:
             calls.setdefault(c["index"], {"name": None, "arguments": ""})
             if "name" in c:
@@ -195,19 +192,31 @@ def test_a_forced_call_starts_inside_the_header(server):
 def scripted(server, reply: str, prompts: list[str], per_step: int = 2):
     """A stand-in for the engine's `generate` that answers `reply` (a harmony string), `per_step` tokens a step,
     and records each prompt it was given as text (the tiny model will not call tools by itself)."""
-    from peagle_core import CompletionOutput, RequestOutput
+    from peagle_core.engine.output import delta_output
 
     tok = server.llm.tokenizer
 
-    async def generate(prompt, params, request_id):
+    async def generate(prompt, params, request_id, chat_prefix=None):
         prompts.append(tok.decode(prompt, skip_special_tokens=False))
-        ids = tok.encode(reply)
-        for i in range(0, len(ids), per_step):
-            new, done = ids[i:i + per_step], i + per_step >= len(ids)
-            yield RequestOutput(request_id, None, list(prompt),
-                                [CompletionOutput(0, tok.decode(new), new, "stop" if done else None)], finished=done,
-                                metrics={"num_prompt_tokens": len(prompt)})
+        for req, new, d in _replay(tok, prompt, tok.encode(reply), params, chat_prefix, per_step, with_req=True):
+            yield delta_output(req, new, d, None)
     return generate
+
+
+def _replay(tok, prompt, ids, params, chat_prefix, step, with_req=False):
+    """The engine's output path (`OutputState`) over a reply given as ids, `step` ids a step."""
+    from peagle_core.engine.output import OutputState
+    from peagle_core.engine.request import Request, Status
+
+    req = Request("replay", list(prompt), params)
+    state = OutputState(tok, params, chat_prefix)
+    for i in range(0, len(ids), step):
+        new = ids[i:i + step]
+        req.token_ids += new
+        if i + step >= len(ids):
+            req.status, req.finish_reason = Status.FINISHED, "stop"
+        d = state.update(req)
+        yield (req, new, d) if with_req else d
 
 
 def test_tool_calls_through_the_openai_client(loop, server, monkeypatch):
@@ -537,3 +546,78 @@ def test_several_prompts_in_one_completions_request(loop, server):
 
     e = refused_by(loop, complete, prompt=["fine", " ".join(map(str, range(400)))], max_tokens=2)
     assert "prompt 1" in e.body["message"] and e.body["code"] == "context_length_exceeded"
+
+
+# --------------------------------------------------------------------------------------------
+# n, allowed_token_ids, bad_words, min_tokens with stop strings (their exactness: test_logits_processors.py)
+# --------------------------------------------------------------------------------------------
+
+def _offline():
+    from peagle_core import LLM
+
+    return LLM("tiny", device="cpu", dtype="float32", max_model_len=256, speculative_config=ARGS["speculative_config"])
+
+
+def test_n_samples_are_the_seeded_single_requests_on_both_endpoints(loop, server):
+    kw = dict(max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
+    singles = [complete(loop, seed=7 + i, **kw) for i in range(3)]
+    r = complete(loop, n=3, seed=7, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles]
+    assert r.usage.completion_tokens == 30 and r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    # several prompts and n: choice index = prompt x n + sample
+    two = complete(loop, prompt=["Once", "Hello"], n=2, seed=7, **kw)
+    hello = [complete(loop, prompt="Hello", seed=7 + i, **kw).choices[0].text for i in range(2)]
+    assert [c.text for c in two.choices] == [s.choices[0].text for s in singles[:2]] + hello
+
+    chats = [chat(loop, seed=3 + i, **kw).choices[0].message for i in range(2)]
+    c = chat(loop, n=2, seed=3, **kw)
+    assert [(x.index, x.message.content, x.message.model_extra.get("reasoning")) for x in c.choices] == \
+        [(i, m.content, m.model_extra.get("reasoning")) for i, m in enumerate(chats)]
+
+    async def stream(**body):
+        async with client() as cl:
+            s = await cl.chat.completions.create(model="tiny", messages=USER, stream=True,
+                                                 stream_options={"include_usage": True}, **body)
+            return [ch async for ch in s]
+    chunks = loop.run(stream(n=2, seed=3, **kw))
+    for i, m in enumerate(chats):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == c.choices[i].finish_reason
+        assert "".join(x.delta.content or "" for x in mine) == (m.content or "")
+        assert "".join(x.delta.model_extra.get("reasoning") or "" for x in mine) == (m.model_extra.get("reasoning") or "")
+    assert chunks[-1].usage.completion_tokens == c.usage.completion_tokens == 20
+    # unseeded samples are independent draws
+    free = complete(loop, n=4, **kw)
+    assert len({x.text for x in free.choices}) == 4
+
+
+def test_allowed_token_ids_bad_words_and_min_tokens_reach_the_engine(loop, server):
+    from peagle_core import SamplingParams
+    from peagle_core.engine.logits_processors import bad_words_ids
+
+    llm = _offline()
+    tok = llm.tokenizer
+    prompt = tok.encode("Once upon a time")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    allowed = sorted(set(free.token_ids[2:6]) | set(range(100, 160)))
+    words = [tok.decode(free.token_ids[i:i + 2]) for i in (0, 4)]
+    text = free.text
+    stop = text[1:3]
+    for body in ({"allowed_token_ids": allowed}, {"bad_words": words}, {"min_tokens": 6, "stop": [stop]}):
+        sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **body)
+        want = llm.generate([prompt], sp)[0].outputs[0]
+        if "allowed_token_ids" in body:
+            assert set(want.token_ids) <= set(allowed)
+        if "bad_words" in body:
+            bad = bad_words_ids(tok, words)
+            assert not any(want.token_ids[i:i + len(w)] == w for w in bad for i in range(len(want.token_ids)))
+        stop_kw = {"stop": body.pop("stop")} if "stop" in body else {}
+        r = complete(loop, prompt=prompt, max_tokens=20, temperature=0, **stop_kw,
+                     extra_body={"ignore_eos": True, **body})
+        assert r.choices[0].text == want.text != text
+    for bad, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
+                       ({"allowed_token_ids": [10**9]}, "allowed_token_ids"), ({"bad_words": [""]}, "bad_words"),
+                       ({"allowed_token_ids": [-1]}, "allowed_token_ids"), ({"n": 65}, "n")):
+        e = refused_by(loop, complete, max_tokens=1, extra_body=bad)
+        assert (e.body["param"] or "").startswith(param), e.body

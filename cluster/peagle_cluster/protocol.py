@@ -81,6 +81,7 @@ MAX_TOKENS = 2**31 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_TOKEN_ID = 2**31 - 1  # then bounded by the vocabulary in the engine
 MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 64  # prompts x n: engine requests one request may start
 _EXACT = "exact under speculative verification (each verified position uses its own history)"
 _NO_STRUCTURED = "no structured output yet"
 
@@ -106,8 +107,10 @@ class _Request(BaseModel):
     stream: bool | None = honoured("server-sent events ending in `data: [DONE]`", default=False)
     stream_options: "StreamOptions | None" = honoured("`include_usage` adds the usage chunk")
     user: str | None = honoured("recorded on the request's trace span (`enduser.id`)")
-    n: Any = refused(1, note="one choice per request")
-    best_of: Any = refused(1, note="one choice per request")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = honoured(
+        f"independent samples of each prompt (choice `index` = prompt x n + sample; at most {MAX_CHOICES} "
+        "choices in all); seeded: sample i is the request with `seed + i`; `usage` sums them")
+    best_of: Any = refused(1, note="no ranking of samples (use `n`)")
     use_beam_search: Any = refused(False, note="no beam search")
     length_penalty: Any = refused(1, note="beam search only")
     echo: Any = refused(False, note="the prompt is not echoed")
@@ -120,11 +123,15 @@ class _Request(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = honoured(_EXACT + "; vLLM's, on prompt and output")
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = honoured(_EXACT + "; vLLM's")
     min_tokens: Annotated[int, Field(ge=0)] | None = honoured(
-        _EXACT + "; vLLM's: end-of-turn and `stop_token_ids` are held back until then (stop strings are not)")
+        _EXACT + "; vLLM's: end-of-turn tokens, `stop_token_ids` and stop strings are held back until then (a stop "
+        "string that ends after the first `min_tokens` tokens counts)")
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = honoured(
         _EXACT + "; token id (a string, as OpenAI writes it) -> bias in [-100, 100]")
-    allowed_token_ids: Any = refused(note="not implemented (use `logit_bias`)")
-    bad_words: Any = refused([], note="not implemented (use `logit_bias`)")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = honoured(
+        _EXACT + "; vLLM's: only these token ids may be sampled (non-empty, within the vocabulary)")
+    bad_words: list[str] | None = honoured(
+        _EXACT + "; vLLM's: a word's last token is banned where the output ends in its other tokens (each word "
+        "as written and after a space)")
     logits_processors: Any = refused([], note="no custom logits processors")
     response_format: Any = refused({"type": "text"}, note=_NO_STRUCTURED)
     structured_outputs: Any = refused(note=_NO_STRUCTURED)
@@ -183,7 +190,7 @@ class _Request(BaseModel):
             kw["logprobs"] = n
         for name in ("temperature", "top_p", "top_k", "seed", "ignore_eos", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_p", "min_tokens", "include_stop_str_in_output",
-                     "skip_special_tokens"):
+                     "skip_special_tokens", "n", "allowed_token_ids", "bad_words"):
             v = getattr(self, name)
             if v is not None:
                 kw[name] = v
@@ -498,30 +505,36 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                  use: dict[str, int], reasoning: str | None = None,
-                  tool_calls: list[dict[str, Any]] | None = None, logprobs: Any = None) -> dict[str, Any]:
+def chat_choice(index: int, text: str, finish_reason: str | None, reasoning: str | None = None,
+                tool_calls: list[dict[str, Any]] | None = None, logprobs: Any = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
     if reasoning:
         message["reasoning"] = message["reasoning_content"] = reasoning  # vLLM's name, and its older one
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(rid: str, model: str, created: int, choices: list[dict[str, Any]],
+                  use: dict[str, int]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": use, "system_fingerprint": None}
 
 
-def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str | None,
-                        use: dict[str, int], logprobs: Any = None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+def completion_response(rid: str, model: str, created: int, choices: list[dict[str, Any]],
+                        use: dict[str, int]) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": use, "system_fingerprint": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None,
-               include_usage: bool, logprobs: Any = None) -> dict[str, Any]:
+               include_usage: bool, logprobs: Any = None, index: int = 0) -> dict[str, Any]:
     c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if include_usage:
         c["usage"] = None  # OpenAI: null on every chunk but the last, which carries it with no choices
     return c

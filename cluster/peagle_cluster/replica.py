@@ -4,11 +4,13 @@
 Ray Serve deployment. `generate` is an async generator of plain dicts, so the router receives
 them through `handle.options(stream=True)`:
 
-    {"event": "delta", "text", "content", "reasoning", "num_tokens", "finish_reason"}   (0..n times)
+    {"event": "delta", "text", "reasoning", "tool_calls", "num_tokens", "finish_reason"}   (0..n times;
+                                                    chat: `text` is the reply's content, as the engine splits it)
     {"event": "final", "finish_reason", "usage", "spec"}                                (exactly once on success)
     {"event": "error", "status", "message", "param", "code"}                            (instead of final)
 
-Bad input is reported as an `error` event before any delta (the router answers it with a 4xx);
+Requests arrive checked by the router (the edge); what needs the tokenizer or the engine (context length,
+vocabulary) is refused here, as an `error` event before any delta (the router answers it with a 4xx);
 an engine failure mid-stream becomes an `error` event after the deltas. Closing the generator
 (the client went away, Serve cancelled the call) closes the engine stream, which aborts the
 request and frees its KV blocks.
@@ -25,7 +27,6 @@ from typing import Any, AsyncIterator
 
 from ray import serve
 
-from peagle_core.loading.harmony import ChatDecoder, HarmonyParser, supports_harmony
 from peagle_core.loading.tokenizer import today
 from peagle_cluster.settings import AppSettings
 from peagle_cluster.stats_board import lookup_board
@@ -60,7 +61,6 @@ class EngineServer:
         self.max_model_len = int(self.llm.max_model_len)
         self.max_chars_per_token = self.settings.max_chars_per_token or _max_chars_per_token(self.llm.tokenizer)
         self.metrics = ReplicaMetrics(self.model_name, self.replica_id)
-        self._harmony = supports_harmony(self.llm.tokenizer)
         threading.Thread(target=self._poll_forever, name="peagle-stats", daemon=True).start()
         self.ongoing = 0
         self.served = 0
@@ -163,14 +163,11 @@ class EngineServer:
 
         from peagle_core.engine.async_llm import EngineDeadError, EngineError
 
-        chat = req.get("kind") == "chat"
-        decoder = ChatDecoder(self.llm.tokenizer, params.stop, req.get("prefill", ""), params.include_stop_str_in_output
-                              ) if chat and self._harmony else None
-        parser = HarmonyParser() if chat and not self._harmony else None
+        chat_prefix = req.get("prefill", "") if req.get("kind") == "chat" else None
         espan = tracer().start_span("engine.generate", context=trace.set_span_in_context(parent))
         self.ongoing += 1
         self.metrics.set_ongoing(self.ongoing)
-        agen = self.llm.generate(prompt_ids, params, rid).__aiter__()
+        agen = self.llm.generate(prompt_ids, params, rid, chat_prefix).__aiter__()
         outcome, n_out, last = "cancelled", 0, None
         try:
             try:
@@ -178,15 +175,11 @@ class EngineServer:
                     last = out
                     o = out.outputs[0]
                     n_out += len(o.token_ids)
-                    ev = {"event": "delta", "text": o.text, "num_tokens": len(o.token_ids),
+                    ev = {"event": "delta", "text": o.text, "reasoning": o.reasoning or "",
+                          "tool_calls": o.tool_calls or [], "num_tokens": len(o.token_ids),
                           "finish_reason": o.finish_reason}
                     if o.logprobs is not None:
                         ev["logprobs"] = self._logprob_entries(o.token_ids, o.logprobs, params.logprobs)
-                    if decoder is not None:
-                        ev["content"], ev["reasoning"], ev["tool_calls"] = decoder.push(list(o.token_ids),
-                                                                                      final=out.finished)
-                    elif parser is not None:
-                        ev["content"], ev["reasoning"], ev["tool_calls"] = parser.feed(o.text, final=out.finished)
                     yield ev
                 outcome = "ok"
             except ValueError as e:
@@ -198,7 +191,10 @@ class EngineServer:
                     yield _error(500, "Internal error while generating this request.", code="internal_error")
                     return
                 espan.set_attribute("error.type", "invalid_request")
-                yield _error(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None))
+                param = getattr(e, "param", None)
+                if chat_prefix is not None and param == "prompt":
+                    param = "messages"  # a chat's prompt is its rendered messages
+                yield _error(400, str(e), param=param, code=getattr(e, "code", None))
                 return
             except EngineDeadError as e:
                 outcome = "error"
@@ -258,26 +254,15 @@ class EngineServer:
             espan.end()
 
     async def _prompt_ids(self, req: dict[str, Any]) -> list[int]:
+        """The prompt's ids (the router has bounded its characters); the engine checks them against its context."""
         tok = self.llm.tokenizer
-        limit_chars = self.max_model_len * self.max_chars_per_token
         if req.get("kind") == "chat":
-            chars = sum(len(m.get("content") or "") for m in req["messages"])
-            if chars > limit_chars:
-                raise _too_long(f"The messages have {chars} characters, more than max_model_len "
-                                f"({self.max_model_len} tokens) can hold.", "messages")
-            text, param = self._chat_text(req), "messages"
+            text = self._chat_text(req)
+        elif isinstance(req["prompt"], str):
+            text = req["prompt"]
         else:
-            prompt = req["prompt"]
-            if not isinstance(prompt, str):
-                ids = list(prompt)
-                self._check_len(len(ids), req, "prompt")
-                return ids
-            if len(prompt) > limit_chars:
-                raise _too_long(f"The prompt has {len(prompt)} characters, more than max_model_len "
-                                f"({self.max_model_len} tokens) can hold.", "prompt")
-            text, param = prompt, "prompt"
+            return list(req["prompt"])
         ids = await asyncio.to_thread(tok.encode, text) if len(text) > _THREAD_TOKENIZE_CHARS else tok.encode(text)
-        self._check_len(len(ids), req, param)
         return list(ids)
 
     def _chat_text(self, req: dict[str, Any]) -> str:
@@ -327,25 +312,18 @@ class EngineServer:
         except ValueError as e:
             return _error(400, str(e), param="tokens")
 
-    def _check_len(self, n: int, req: dict[str, Any], param: str) -> None:
-        if n >= self.max_model_len:
-            raise _too_long(f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                            f"{n} tokens (at least one token must be left to generate).", param)
-        mt = req.get("max_tokens")
-        if mt is not None and n + mt > self.max_model_len:
-            raise _too_long(f"This model's maximum context length is {self.max_model_len} tokens; you requested "
-                            f"{n + mt} tokens ({n} in the prompt, {mt} for the completion).", "max_tokens")
-
     def _sampling_params(self, req: dict[str, Any], n_prompt: int):
+        """The router's checked values; an explicit max_tokens must fit beside the prompt (OpenAI's 400), where
+        offline generation (`LLM`) stops at the context's end."""
         from peagle_core import SamplingParams
 
         kw = dict(req.get("sampling") or {})
-        if kw.get("max_tokens") is None:
-            kw["max_tokens"] = self.max_model_len - n_prompt
-        try:
-            return SamplingParams(**kw)
-        except TypeError as e:
-            raise ValueError(f"invalid sampling parameters: {e}") from None
+        mt = req.get("max_tokens")
+        if mt is not None and n_prompt < self.max_model_len < n_prompt + mt:
+            raise _too_long(f"This model's maximum context length is {self.max_model_len} tokens; you requested "
+                            f"{n_prompt + mt} tokens ({n_prompt} in the prompt, {mt} for the completion).",
+                            "max_tokens")
+        return SamplingParams(**kw)
 
     # ------------------------------------------------------------------------------------------
 

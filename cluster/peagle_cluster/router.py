@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from peagle_core.engine.types import sample_seed
 from peagle_core.loading.tokenizer import tool_call_prefill
 from peagle_cluster import guard
 from peagle_cluster import protocol as P
@@ -250,6 +251,8 @@ class Frontend:
 
     # -- completions -----------------------------------------------------------------------------
     async def complete(self, request: Request, chat: bool) -> Response:
+        """One path for every completion: the request is checked here, once; each choice (a prompt's sample:
+        `n` of each prompt, choice index = prompt * n + sample) is one engine request, streamed or collected."""
         route = "/v1/chat/completions" if chat else "/v1/completions"
         t0 = time.perf_counter()
         span = tracer().start_span("router.completion", context=_parent_context(request))
@@ -268,28 +271,30 @@ class Frontend:
                 raise APIError(400, f"The prompt has {req.char_length()} characters, more than this model's context "
                                     f"of {info['max_model_len']} tokens can hold.",
                                param="messages" if chat else "prompt", code="context_length_exceeded")
+            prompts = [None] if chat else req.prompts()
+            n = sampling.pop("n", 1)
+            if len(prompts) * n > P.MAX_CHOICES:
+                raise APIError(400, f"{len(prompts)} prompts x n={n} is more than {P.MAX_CHOICES} choices in one "
+                                    "request", param="n", code="invalid_value")
             rid = P.new_id("chatcmpl" if chat else "cmpl")
             span.set_attribute("gen_ai.request.id", rid)
             span.set_attribute("gen_ai.request.model", self.model)
             span.set_attribute("peagle.stream", bool(req.stream))
             if req.user:
                 span.set_attribute("enduser.id", req.user)
-            if not chat and len(req.prompts()) > 1:
-                resp = await self._complete_batch(rid, req, sampling, span, route, t0)
-                handed_off = isinstance(resp, StreamingResponse)  # the stream ends the span
-                return resp
-            ereq = engine_request(rid, req, sampling, chat, trace_ctx=inject_context(span))
-            stream = self.engine.options(stream=True).generate.remote(ereq)
-            first = await _first_event(stream)
-            if first["event"] == "error":
-                stream.cancel()
-                raise APIError(first["status"], first["message"], first.get("param"), first.get("code"))
+            trace_ctx = inject_context(span)
+            several = len(prompts) * n > 1
+            streams = [self.engine.options(stream=True).generate.remote(engine_request(
+                f"{rid}-{k}" if several else rid, req, sampling | {"seed": sample_seed(sampling.get("seed"), k % n)},
+                chat, trace_ctx, prompt=p)) for k, p in enumerate(p for p in prompts for _ in range(n))]
+            label = (lambda k: f"prompt {k // n}: ") if len(prompts) > 1 else (lambda k: "")
+            firsts = await _first_events(streams, label)
             if req.stream:
                 handed_off = True
-                return StreamingResponse(self._sse(rid, req, chat, first, stream, span, route, t0),
+                return StreamingResponse(self._sse(rid, req, chat, firsts, streams, label, span, route, t0),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return await self._collect(rid, req, chat, first, stream, route, t0)
+            return await self._collect(rid, req, chat, firsts, streams, label, route, t0)
         except APIError as e:
             span.set_attribute("http.status_code", e.status)
             self.metrics.observe(route, e.status)
@@ -300,36 +305,46 @@ class Frontend:
             if not handed_off:
                 span.end()
 
-    async def _collect(self, rid: str, req, chat: bool, first: dict, stream, route: str, t0: float) -> Response:
-        content, reasoning, calls, ev, t_first, t_last, lps = [], [], ToolCalls(), first, None, None, []
-        try:
+    async def _collect(self, rid: str, req, chat: bool, firsts: list[dict], streams: list, label, route: str,
+                       t0: float) -> Response:
+        choices = [_Choice() for _ in streams]
+
+        async def drain(c: _Choice, ev: dict[str, Any], stream) -> dict[str, Any]:
             while ev["event"] == "delta":
-                lps += ev.get("logprobs") or []
-                t_first, t_last = self._token_times(ev, t_first, t_last)
-                content.append(ev.get("content", ev["text"]) if chat else ev["text"])
-                if chat and ev.get("reasoning"):
-                    reasoning.append(ev["reasoning"])
-                if chat and ev.get("tool_calls"):
-                    calls.delta(ev["tool_calls"])
+                c.add(ev, self._token_times)
                 ev = await _next_event(stream)
+            if ev["event"] == "final":
+                await _finish(stream)
+            return ev
+
+        try:
+            lasts = await asyncio.gather(*(drain(c, f, s) for c, f, s in zip(choices, firsts, streams)))
         except BaseException:
-            stream.cancel()  # the caller went away (or we failed): stop generating for nobody
+            for s in streams:
+                s.cancel()  # the caller went away (or we failed): stop generating for nobody
             raise
-        if ev["event"] == "error":
-            raise APIError(ev["status"], ev["message"], ev.get("param"), ev.get("code"))
-        await _finish(stream)
-        use, extra = self._finished(ev, t0, t_first)
-        created = P.now()
-        if chat:
-            body = P.chat_response(rid, self.model, created, "".join(content), calls.finish_reason(ev["finish_reason"]),
-                                   use, reasoning=("".join(reasoning) or None) if req.include_reasoning is not False
-                                   else None, tool_calls=calls.calls,
-                                   logprobs=P.chat_logprobs(lps) if req.num_logprobs() is not None else None)
-        else:
-            body = P.completion_response(rid, self.model, created, "".join(content), ev["finish_reason"], use,
-                                         P.completion_logprobs(lps) if req.num_logprobs() is not None else None)
+        for k, ev in enumerate(lasts):
+            if ev["event"] == "error":
+                raise APIError(ev["status"], label(k) + ev["message"], ev.get("param"), ev.get("code"))
+        totals, specs, out = [0, 0, 0], [], []
+        logprobs = req.num_logprobs() is not None
+        for k, (c, ev) in enumerate(zip(choices, lasts)):
+            use, _ = self._finished(ev, t0, c.t_first)
+            totals = [a + use[key] for a, key in zip(totals, ("prompt_tokens", "completion_tokens"))] + \
+                [totals[2] + use["prompt_tokens_details"]["cached_tokens"]]
+            specs.append(ev.get("spec"))
+            text = "".join(c.text)
+            if chat:
+                reasoning = ("".join(c.reasoning) or None) if req.include_reasoning is not False else None
+                out.append(P.chat_choice(k, text, c.calls.finish_reason(ev["finish_reason"]), reasoning, c.calls.calls,
+                                         P.chat_logprobs(c.lps) if logprobs else None))
+            else:
+                out.append(P.completion_choice(k, text, ev["finish_reason"],
+                                               P.completion_logprobs(c.lps) if logprobs else None))
+        body = (P.chat_response if chat else P.completion_response)(rid, self.model, P.now(), out, P.usage(*totals))
+        spec = speculative_decoding(_sum_specs(specs), self.num_spec_tokens)
         self.metrics.observe(route, 200, time.perf_counter() - t0)
-        return JSONResponse(body | extra)
+        return JSONResponse(body | ({"metrics": {"speculative_decoding": spec}} if spec is not None else {}))
 
     def _token_times(self, ev: dict[str, Any], t_first: float | None, t_last: float | None):
         """(first, last) arrival of a delta with tokens; the gaps between them are vLLM's inter-token latency."""
@@ -339,119 +354,6 @@ class Frontend:
         if t_last is not None:
             self.vllm_metrics.observe_step_gap(now - t_last)
         return (t_first or now), now
-
-    async def _complete_batch(self, rid: str, req, sampling: dict[str, Any], span, route: str, t0: float) -> Response:
-        """Several prompts in one completions request: one engine request each, run together; choice i is
-        prompt i. A prompt the replica refuses fails the whole request (its 4xx names the prompt)."""
-        prompts = req.prompts()
-        streams = [self.engine.options(stream=True).generate.remote(
-            engine_request(f"{rid}-{i}", req, sampling, False, inject_context(span), prompt=p))
-            for i, p in enumerate(prompts)]
-        firsts = await asyncio.gather(*(_first_event(s) for s in streams), return_exceptions=True)
-        bad = next(((i, f) for i, f in enumerate(firsts) if isinstance(f, BaseException) or f["event"] == "error"),
-                   None)
-        if bad is not None:
-            for s in streams:
-                s.cancel()
-            i, f = bad
-            if isinstance(f, BaseException):
-                raise f if isinstance(f, APIError) else _ray_error(f)
-            raise APIError(f["status"], f"prompt {i}: {f['message']}", f.get("param"), f.get("code"))
-        if req.stream:
-            return StreamingResponse(self._sse_batch(rid, req, firsts, streams, span, route, t0),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            drained = await asyncio.gather(*(self._drain(f, s) for f, s in zip(firsts, streams)))
-        except BaseException:
-            for s in streams:
-                s.cancel()
-            raise
-        choices, totals, specs = [], [0, 0], []
-        for i, (text, lps, ev, t_first) in enumerate(drained):
-            if ev["event"] == "error":
-                raise APIError(ev["status"], f"prompt {i}: {ev['message']}", ev.get("param"), ev.get("code"))
-            use, extra = self._finished(ev, t0, t_first)
-            totals = [totals[0] + use["prompt_tokens"], totals[1] + use["completion_tokens"]]
-            specs.append(ev.get("spec"))
-            lp = P.completion_logprobs(lps) if req.num_logprobs() is not None else None
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": ev["finish_reason"]})
-        body = P.completion_response(rid, self.model, P.now(), "", None, P.usage(*totals)) | {"choices": choices}
-        spec = speculative_decoding(_sum_specs(specs), self.num_spec_tokens)
-        self.metrics.observe(route, 200, time.perf_counter() - t0)
-        return JSONResponse(body | ({"metrics": {"speculative_decoding": spec}} if spec is not None else {}))
-
-    async def _drain(self, first: dict[str, Any], stream) -> tuple[str, list, dict[str, Any], float | None]:
-        """One completion stream to its end: (text, logprob entries, final or error event, first-token time)."""
-        text, lps, ev, t_first, t_last = [], [], first, None, None
-        while ev["event"] == "delta":
-            text.append(ev["text"])
-            lps += ev.get("logprobs") or []
-            t_first, t_last = self._token_times(ev, t_first, t_last)
-            ev = await _next_event(stream)
-        if ev["event"] == "final":
-            await _finish(stream)
-        return "".join(text), lps, ev, t_first
-
-    async def _sse_batch(self, rid: str, req, firsts: list[dict], streams: list, span, route: str,
-                         t0: float) -> AsyncIterator[bytes]:
-        """Chunks of every prompt as they come, each with its choice's index; the usage chunk sums them."""
-        created, queue = P.now(), asyncio.Queue()
-        offsets, t_first, t_last = [0] * len(streams), [None] * len(streams), [None] * len(streams)
-
-        async def pump(i: int, ev: dict[str, Any], stream) -> None:
-            try:
-                while True:
-                    await queue.put((i, ev))
-                    if ev["event"] != "delta":
-                        return
-                    ev = await _next_event(stream)
-            except APIError as e:
-                await queue.put((i, {"event": "error", "status": e.status, "message": e.message, "param": e.param,
-                                     "code": e.code}))
-
-        tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
-        done, totals, specs, completed = 0, [0, 0], [], False
-        try:
-            while done < len(streams):
-                i, ev = await queue.get()
-                if ev["event"] == "delta":
-                    t_first[i], t_last[i] = self._token_times(ev, t_first[i], t_last[i])
-                    if ev["text"] or ev.get("logprobs"):
-                        lp = P.completion_logprobs(ev["logprobs"], offsets[i]) if ev.get("logprobs") else None
-                        offsets[i] += len(ev["text"])
-                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, req.include_usage,
-                                                       lp, index=i))
-                elif ev["event"] == "final":
-                    done += 1
-                    use, _ = self._finished(ev, t0, t_first[i])
-                    totals = [totals[0] + use["prompt_tokens"], totals[1] + use["completion_tokens"]]
-                    specs.append(ev.get("spec"))
-                    yield P.sse(P.completion_chunk(rid, self.model, created, "", ev["finish_reason"], req.include_usage,
-                                                   index=i))
-                    await _finish(streams[i])
-                else:
-                    span.set_attribute("error.type", str(ev.get("code") or ev["status"]))
-                    yield P.sse(P.error_body(ev["status"], f"prompt {i}: {ev['message']}", ev.get("param"),
-                                             ev.get("code")))
-                    break
-            else:
-                spec = speculative_decoding(_sum_specs(specs), self.num_spec_tokens)
-                if req.include_usage:
-                    yield P.sse(P.usage_chunk(rid, self.model, created, "text_completion", P.usage(*totals))
-                                | ({"metrics": {"speculative_decoding": spec}} if spec is not None else {}))
-            completed = True
-            yield P.SSE_DONE
-            self.metrics.observe(route, 200, time.perf_counter() - t0)
-        finally:
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                s.cancel()  # every stream has ended or is abandoned: cancelling an ended call is a no-op
-            if not completed:
-                span.set_attribute("peagle.client_disconnected", True)
-                self.metrics.observe(route, 499)
-            span.end()
 
     def _finished(self, ev: dict[str, Any], t0: float, t_first: float | None) -> tuple[dict, dict]:
         """A request's final event -> its `usage`, the response's extra keys (vLLM's `metrics`), and /metrics."""
@@ -463,67 +365,129 @@ class Frontend:
         spec = speculative_decoding(ev.get("spec"), self.num_spec_tokens)
         return use, ({"metrics": {"speculative_decoding": spec}} if spec is not None else {})
 
-    async def _sse(self, rid: str, req, chat: bool, first: dict, stream, span, route: str,
+    async def _sse(self, rid: str, req, chat: bool, firsts: list[dict], streams: list, label, span, route: str,
                    t0: float) -> AsyncIterator[bytes]:
+        """Every choice's chunks as they come, each with its `index`; a choice's finish chunk carries its vLLM
+        metrics, the usage chunk sums the choices. An error after the 200 is an error event, then [DONE]."""
         created, include_usage, obj = P.now(), req.include_usage, ("chat.completion.chunk" if chat else "text_completion")
-        ev, completed, calls, t_first, t_last, offset = first, False, ToolCalls(), None, None, 0
         show_reasoning = not chat or req.include_reasoning is not False
+        choices = [_Choice() for _ in streams]
+        events = _merged(firsts, streams)
+        done, totals, completed = 0, [0, 0, 0], False
         try:
             if chat:
-                yield P.sse(P.chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None,
-                                         include_usage))
-            while True:
+                for k in range(len(streams)):
+                    yield P.sse(P.chat_chunk(rid, self.model, created, {"role": "assistant", "content": ""}, None,
+                                             include_usage, index=k))
+            while done < len(streams):
+                k, ev = await events.__anext__()
+                c = choices[k]
                 if ev["event"] == "delta":
-                    t_first, t_last = self._token_times(ev, t_first, t_last)
+                    c.t_first, c.t_last = self._token_times(ev, c.t_first, c.t_last)
                     if chat:
                         delta = {}
                         if ev.get("reasoning") and show_reasoning:
                             delta["reasoning"] = delta["reasoning_content"] = ev["reasoning"]
-                        if ev.get("content"):
-                            delta["content"] = ev["content"]
+                        if ev["text"]:
+                            delta["content"] = ev["text"]
                         if ev.get("tool_calls"):
-                            delta["tool_calls"] = calls.delta(ev["tool_calls"])
+                            delta["tool_calls"] = c.calls.delta(ev["tool_calls"])
                         lp = P.chat_logprobs(ev["logprobs"]) if ev.get("logprobs") else None
                         if delta or lp:
-                            yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage, lp))
+                            yield P.sse(P.chat_chunk(rid, self.model, created, delta, None, include_usage, lp, index=k))
                     elif ev["text"] or ev.get("logprobs"):
-                        lp = P.completion_logprobs(ev["logprobs"], offset) if ev.get("logprobs") else None
-                        offset += len(ev["text"])
-                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage, lp))
+                        lp = P.completion_logprobs(ev["logprobs"], c.offset) if ev.get("logprobs") else None
+                        c.offset += len(ev["text"])
+                        yield P.sse(P.completion_chunk(rid, self.model, created, ev["text"], None, include_usage, lp,
+                                                       index=k))
                 elif ev["event"] == "final":
-                    use, extra = self._finished(ev, t0, t_first)
+                    done += 1
+                    use, extra = self._finished(ev, t0, c.t_first)
+                    totals = [totals[0] + use["prompt_tokens"], totals[1] + use["completion_tokens"],
+                              totals[2] + use["prompt_tokens_details"]["cached_tokens"]]
                     if chat:
-                        last = P.chat_chunk(rid, self.model, created, {}, calls.finish_reason(ev["finish_reason"]),
-                                            include_usage)
+                        last = P.chat_chunk(rid, self.model, created, {}, c.calls.finish_reason(ev["finish_reason"]),
+                                            include_usage, index=k)
                     else:
-                        last = P.completion_chunk(rid, self.model, created, "", ev["finish_reason"], include_usage)
+                        last = P.completion_chunk(rid, self.model, created, "", ev["finish_reason"], include_usage,
+                                                  index=k)
                     yield P.sse(last | extra)  # vLLM's per-request metrics ride on the finish chunk
-                    if include_usage:
-                        yield P.sse(P.usage_chunk(rid, self.model, created, obj, use))
-                    completed = True
-                    await _finish(stream)
-                    break
-                else:  # an error after the 200 was sent: OpenAI-style error event, then [DONE]
+                    await _finish(streams[k])
+                else:
                     span.set_attribute("error.type", str(ev.get("code") or ev["status"]))
-                    yield P.sse(P.error_body(ev["status"], ev["message"], ev.get("param"), ev.get("code")))
-                    completed = True
+                    yield P.sse(P.error_body(ev["status"], label(k) + ev["message"], ev.get("param"), ev.get("code")))
                     break
-                try:
-                    ev = await _next_event(stream)
-                except APIError as e:
-                    yield P.sse(e.body())
-                    completed = True
-                    break
+            else:
+                if include_usage:
+                    yield P.sse(P.usage_chunk(rid, self.model, created, obj, P.usage(*totals)))
+            completed = True
             yield P.SSE_DONE
             self.metrics.observe(route, 200, time.perf_counter() - t0)
         finally:
+            await events.aclose()
             if not completed:
-                # The client disconnected (Starlette closed this generator): cancel the replica call,
-                # whose generator closes the engine stream, which aborts the request and frees its KV blocks.
-                stream.cancel()
+                # The client disconnected (Starlette closed this generator): cancel the replica calls, whose
+                # generators close the engine streams, which abort the requests and free their KV blocks.
+                for s in streams:
+                    s.cancel()
                 span.set_attribute("peagle.client_disconnected", True)
                 self.metrics.observe(route, 499)
             span.end()
+
+
+async def _merged(firsts: list[dict], streams: list) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """Every choice's events as they come, as (index, event), each stream ending at its first non-delta event (a
+    failed read becomes an error event). One stream is read in line; several through a queue of one, so no
+    stream is read ahead of the client (a slow client holds its engine slot instead of piling output up here)."""
+    async def events(ev: dict[str, Any], stream) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            yield ev
+            if ev["event"] != "delta":
+                return
+            try:
+                ev = await _next_event(stream)
+            except APIError as e:
+                ev = {"event": "error", "status": e.status, "message": e.message, "param": e.param, "code": e.code}
+
+    if len(streams) == 1:
+        async for ev in events(firsts[0], streams[0]):
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump(k: int, first: dict[str, Any], stream) -> None:
+        async for ev in events(first, stream):
+            await queue.put((k, ev))
+
+    tasks = [asyncio.ensure_future(pump(k, f, s)) for k, (f, s) in enumerate(zip(firsts, streams))]
+    try:
+        while True:
+            yield await queue.get()
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _Choice:
+    """One choice's stream, gathered: text (a chat reply's content), reasoning, tool calls, logprob entries."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls = ToolCalls()
+        self.lps: list[dict[str, Any]] = []
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.offset = 0  # completions' streamed logprobs: where the next text starts
+
+    def add(self, ev: dict[str, Any], token_times) -> None:
+        self.lps += ev.get("logprobs") or []
+        self.t_first, self.t_last = token_times(ev, self.t_first, self.t_last)
+        self.text.append(ev["text"])
+        if ev.get("reasoning"):
+            self.reasoning.append(ev["reasoning"])
+        if ev.get("tool_calls"):
+            self.calls.delta(ev["tool_calls"])
 
 
 def _sum_specs(specs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -585,6 +549,26 @@ async def _call(method) -> Any:
         return await method.remote()
     except Exception as e:
         raise _ray_error(e) from None
+
+
+async def _first_events(streams: list, label) -> list[dict[str, Any]]:
+    """Every choice's first event: a choice the replica refuses (its first event an error) fails the request,
+    with a 4xx naming the prompt (`label`), and the other choices are cancelled."""
+    firsts = []
+    for k, s in enumerate(streams):  # in turn: the calls are all under way
+        try:
+            f = await _first_event(s)
+        except BaseException:
+            # this call failed (a refusal, backpressure): cancelling it as well left Serve's 503 undelivered
+            for other in streams[:k] + streams[k + 1:]:
+                other.cancel()
+            raise
+        if f["event"] == "error":
+            for other in streams:
+                other.cancel()
+            raise APIError(f["status"], label(k) + f["message"], f.get("param"), f.get("code"))
+        firsts.append(f)
+    return firsts
 
 
 async def _first_event(stream) -> dict[str, Any]:

@@ -7,7 +7,6 @@ freeing its KV blocks at once.
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 import time
 from collections import deque
@@ -15,7 +14,8 @@ from typing import Any, AsyncIterator
 
 from peagle_core.config import EngineConfig, parse_engine_config
 from peagle_core.engine.llm_engine import LLMEngine, StepError, Update
-from peagle_core.engine.types import CompletionOutput, RequestOutput, SamplingParams
+from peagle_core.engine.output import delta_output
+from peagle_core.engine.types import RequestOutput, SamplingParams
 
 
 class EngineError(RuntimeError):
@@ -57,12 +57,13 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       chat_prefix: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream one sample's deltas (`engine.output`); `chat_prefix`: a harmony chat reply, as `OutputState`."""
         self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params)
+        req = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params, chat_prefix)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._post("add", req)
@@ -133,7 +134,7 @@ class AsyncLLM:
                     updates = []
                 self._last_progress = time.monotonic()
                 for u in updates:
-                    self._deliver(u.req.request_id, self._to_output(u))
+                    self._deliver(u.req.request_id, delta_output(u.req, u.new_token_ids, u.delta, u.new_logprobs))
         except BaseException as e:  # a bug in the loop itself: fail everyone, report dead
             self._fatal = e
             for rid in list(self._streams):
@@ -153,15 +154,3 @@ class AsyncLLM:
         if stream is not None:
             loop, queue = stream
             loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    @staticmethod
-    def _to_output(u: Update) -> RequestOutput:
-        r = u.req
-        return RequestOutput(
-            r.request_id, r.prompt, r.prompt_token_ids,
-            [CompletionOutput(0, u.new_text, u.new_token_ids, r.finish_reason, u.new_logprobs)], finished=r.finished,
-            spec_decode_stats=copy.deepcopy(r.stats), num_cached_tokens=r.num_cached_tokens or 0,
-            metrics={"arrival_time": r.arrival_time, "first_scheduled_time": r.first_scheduled_time or 0.0,
-                     "first_token_time": r.first_token_time or 0.0, "finished_time": r.finished_time or 0.0,
-                     "num_prompt_tokens": r.num_prompt, "num_generated_tokens": r.num_output,
-                     "num_preemptions": r.num_preemptions, "num_steps": r.num_steps})

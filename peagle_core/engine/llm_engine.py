@@ -15,7 +15,8 @@ from peagle_core.engine.graphs import graphs_supported, make_graph_runner
 from peagle_core.engine.memory import (cache_bytes_per_block, freeze_heap, kv_budget_bytes, memory_line,
                                        reclaim_dropped_engines, weight_bytes)
 from peagle_core.engine.model_runner import ModelRunner, check_sampling_setup
-from peagle_core.engine.output import TextState
+from peagle_core.engine.logits_processors import bad_words_ids
+from peagle_core.engine.output import Delta, OutputState
 from peagle_core.engine.request import Request, Status
 from peagle_core.engine.scheduler import Scheduler
 from peagle_core.engine.tp import GraphLayout, TPError, start_tensor_parallel
@@ -41,8 +42,12 @@ class Update:
 
     req: Request
     new_token_ids: list[int]
-    new_text: str
+    delta: Delta  # the text, reasoning and tool calls they add (`OutputState`)
     new_logprobs: list[dict] | None = None  # with params.logprobs: one {token_id: Logprob} per new token
+
+    @property
+    def new_text(self) -> str:
+        return self.delta.text
 
 
 def resolve_device_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -124,7 +129,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, budget, self.max_model_len, max(self.K - 1, 0))
         self.policy = policy or self._default_policy()
         self.requests: dict[str, Request] = {}
-        self.texts: dict[str, TextState] = {}
         self.stats = SpecDecodeStats()
         self.last_k, self.num_steps = self.K, 0
         self.execute_seconds = 0.0  # inside `runner.execute`, over all steps: the rest of a loop's time is the host's
@@ -165,14 +169,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and queue a request; ValueError before any work for bad input."""
-        return self.submit(self.make_request(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    chat_prefix: str | None = None) -> Request:
+        """Queue a request; ValueError before any work where it cannot run (see `make_request`)."""
+        return self.submit(self.make_request(request_id, prompt, params, chat_prefix))
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Tokenize and validate without touching engine state (safe from another thread)."""
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     chat_prefix: str | None = None) -> Request:
+        """Tokenize, and check what only the engine knows (vocabulary, context, cache), without touching engine
+        state (safe from another thread). Request values themselves are checked where requests come in
+        (`SamplingParams`, the server's request models). `chat_prefix`: a harmony chat reply (`OutputState`)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError("one engine request is one sample: n > 1 is LLM.generate's (or the server's) to fan out")
         vocab = self.target.config.vocab_size
         generator = self._sampling_setup(params, vocab)
         if isinstance(prompt, str):
@@ -186,9 +196,13 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         self._check_token_ids(params, vocab)
+        if params.bad_words and self.tokenizer is None:
+            raise _invalid("bad_words needs the model's tokenizer.json", "bad_words")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
-                             "(prompt plus at least one generated token must fit)")
+            err = _invalid(f"This model's maximum context length is {self.max_model_len} tokens (max_model_len); "
+                           f"the prompt has {len(ids)} tokens (at least one token must be left to generate).", "prompt")
+            err.code = "context_length_exceeded"
+            raise err
         if self.blocks.blocks_needed([], len(ids) + self.K) > self.blocks.num_blocks:
             raise ValueError(f"the prompt needs more KV-cache blocks than the engine has ({self.blocks.num_blocks})")
         limit = self.max_model_len - len(ids)
@@ -196,17 +210,19 @@ class LLMEngine:
             params = SamplingParams(**{**params.__dict__, "max_tokens": limit})
         req = Request(request_id, ids, params, prompt=text)
         req.generator = generator
+        req.bad_words_ids = bad_words_ids(self.tokenizer, params.bad_words)
+        req.output = OutputState(self.tokenizer, params, chat_prefix)
         return req
 
     @staticmethod
     def _check_token_ids(params: SamplingParams, vocab: int) -> None:
-        """Token ids a step indexes logits with (logit_bias, and stop_token_ids while min_tokens holds them back):
+        """Token ids a step indexes logits with (logit_bias, allowed_token_ids, and stop_token_ids while min_tokens
+        holds them back):
         one out of the vocabulary would fail the whole step, so it refuses this request alone."""
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                err = ValueError(f"{name} token ids must be integers in [0, {vocab})")
-                err.param = name
-                raise err
+                raise _invalid(f"{name} token ids must be integers in [0, {vocab})", name)
 
     def _sampling_setup(self, params: SamplingParams, vocab: int) -> torch.Generator | None:
         """Check the request's sampling values as a step will use them, and seed its generator: a ValueError
@@ -225,9 +241,8 @@ class LLMEngine:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        p = req.params
-        self.texts[req.request_id] = TextState(self.tokenizer, p.stop, p.include_stop_str_in_output,
-                                               p.skip_special_tokens)
+        if req.output is None:  # a Request built by hand (profiles, tests)
+            req.output = OutputState(self.tokenizer, req.params)
         self.scheduler.add(req)
         return req
 
@@ -235,7 +250,6 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
-        self.texts.pop(request_id, None)
         return req
 
     def has_work(self) -> bool:
@@ -280,7 +294,6 @@ class LLMEngine:
             for s in failed or batch:
                 self.scheduler.finish(s.req, "error")
                 self.requests.pop(s.req.request_id, None)
-                self.texts.pop(s.req.request_id, None)
             if isinstance(e, TPError):
                 raise  # the ranks are out of step for good: fatal for the engine, not just this batch
             raise StepError([s.req for s in failed or batch], e) from e
@@ -309,10 +322,10 @@ class LLMEngine:
                 if req.logprobs is None:
                     req.logprobs = []
                 req.logprobs.extend(lp)
-            text, stopped = self.texts[req.request_id].update(req)
-            if stopped and not req.finished:
+            delta = req.output.update(req)
+            if req.output.stopped and not req.finished:
                 self.scheduler.finish(req, "stop")
-            updates.append(Update(req, new, text, lp))
+            updates.append(Update(req, new, delta, lp))
         for s in batch:  # the blocks this step made final become cacheable (finishing ones did in `finish`)
             if not s.req.finished:
                 self.blocks.commit(s.req)
@@ -323,7 +336,6 @@ class LLMEngine:
         for u in updates:
             if u.req.finished:
                 self.requests.pop(u.req.request_id, None)
-                self.texts.pop(u.req.request_id, None)
         return updates
 
     def _append(self, req: Request, toks: list[int]) -> list[int]:
@@ -355,6 +367,12 @@ class LLMEngine:
                      "num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos),
                      "acceptance_length": s.acceptance_length},
         }
+
+
+def _invalid(message: str, param: str) -> ValueError:
+    err = ValueError(message)
+    err.param = param
+    return err
 
 
 def _setup_fails(params: SamplingParams) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,8 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[dict] | None = None  # with params.logprobs: one {token_id: Logprob} per output token
     num_steps: int = 0  # steps that emitted tokens for it: the first from its prompt, each later one a decode step
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words as token ids
+    output: Any = None  # its `OutputState` (engine/output.py): the text it has streamed
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -29,6 +29,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # independent samples of the prompt (LLM.generate; the server fans them out)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM's: a word's last token is banned where its other tokens precede it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,10 +66,30 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+        if type(self.n) is not int or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n}")
+        if self.allowed_token_ids is not None and not (
+                self.allowed_token_ids and all(type(t) is int and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids (>= 0)")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+
+    def sample(self, i: int) -> "SamplingParams":
+        """The i-th of `n` independent samples, as one request (`sample_seed`)."""
+        return SamplingParams(**{**self.__dict__, "n": 1, "seed": sample_seed(self.seed, i)})
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sample_seed(seed: int | None, i: int) -> int | None:
+    """Sample i of a seeded request with n samples is seeded `seed + i` (vLLM's), so it is the single request
+    with that seed; unseeded samples draw from the engine's generator."""
+    if seed is None:
+        return None
+    seed += i
+    return seed - 2**64 if seed > SEED_RANGE[1] else seed  # wraps around the 64-bit seeds
 
 
 @dataclass

@@ -6,14 +6,13 @@ GPT-OSS answers in channels: `<|channel|>analysis<|message|>...<|end|><|start|>a
 on the commentary channel, ending in <|call|>): its body is that call's arguments. Header text (role,
 channel name, recipient) is never shown. When the decoded text carries no markers (a tokenizer that drops special tokens, a model that
 answers plainly) it all passes through as content. Works on arbitrary chunk boundaries: a trailing
-fragment that could start a marker is held back until the next delta.
+fragment that could start a marker is held back until the next delta. A request's reply is decoded (special tokens
+kept) and fed here by `peagle_core.engine.output.OutputState`.
 """
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
-
-from peagle_core.loading.tokenizer import IncrementalDetokenizer, StopFilter
 
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>",
            "<|endoftext|>", "<|startoftext|>")
@@ -56,7 +55,7 @@ class HarmonyParser:
                 calls.append({"index": self.num_calls - 1, "arguments": piece})
             else:
                 (reasoning if self.channel == "analysis" else content).append(piece)
-        return Delta("".join(content), "".join(reasoning), _merge(calls))
+        return Delta("".join(content), "".join(reasoning), merge_calls(calls))
 
     def _marker(self, m: str) -> bool:
         """Applies a marker; True when it opens a tool call's body."""
@@ -79,7 +78,7 @@ class HarmonyParser:
         return False
 
 
-def _merge(calls: list[dict]) -> list[dict]:
+def merge_calls(calls: list[dict]) -> list[dict]:
     """One delta per call: a call's opening and its argument pieces in one feed come out together."""
     out: list[dict] = []
     for c in calls:
@@ -108,41 +107,6 @@ def _partial_marker_start(text: str) -> int:
     if tail and tail not in MARKERS and any(m.startswith(tail) for m in MARKERS):
         return i
     return len(text)
-
-
-class ChatDecoder:
-    """Token ids of a chat reply -> (content, reasoning) deltas.
-
-    The engine's text deltas drop special tokens, and with them the channel boundaries, so chat
-    replies are decoded here with special tokens kept (incrementally, so multi-byte characters split
-    across steps come out whole) and split by `HarmonyParser`. Stop strings apply to the content,
-    with the same hold-back as the engine's own text: a suffix that may still grow into a stop
-    string is not sent yet.
-    """
-
-    def __init__(self, tokenizer, stops: list[str] | None = None, prefix: str = "", include_stop: bool = False):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
-        self.parser = HarmonyParser()
-        self.content = StopFilter(stops, include_stop)
-        # The prompt's tail the reply continues (`<|start|>assistant`, plus any forced tool-call header), so a
-        # header the model finishes (` to=functions.f<|channel|>...`) is read as one
-        self._primed = self.parser.feed(f"<|start|>assistant{prefix}").tool_calls  # a forced call opens here
-
-    def push(self, ids: list[int], final: bool) -> Delta:
-        text = self.detok.push(ids)
-        if final:
-            text += self.detok.flush()
-        d = self.parser.feed(text, final=final)
-        calls, self._primed = _merge(self._primed + d.tool_calls), []
-        return Delta(self.content.push(d.content, final), d.reasoning, calls)
-
-    @property
-    def num_calls(self) -> int:
-        return self.parser.num_calls
-
-    @property
-    def stopped(self) -> bool:
-        return self.content.stopped
 
 
 def supports_harmony(tokenizer) -> bool:

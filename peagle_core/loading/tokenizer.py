@@ -517,12 +517,13 @@ class StopFilter:
         self._sent: list[str] = []
         self.stopped = False
 
-    def push(self, new: str, final: bool) -> str:
-        """Add decoded text; returns what may be sent now (`stopped` turns True at a stop string)."""
+    def push(self, new: str, final: bool, check: bool = True) -> str:
+        """Add decoded text; returns what may be sent now (`stopped` turns True at a stop string). `check=False`:
+        text not searched for stop strings (vLLM's min_tokens), though its tail may still begin one."""
         if self.stopped:
             return ""
         text = self.pending + new
-        hit = stop_string_match(text, self.stops)
+        hit = stop_string_match(text, self.stops) if check else None
         if hit is not None:
             self.stopped, upto = True, hit + (stop_length_at(text, hit, self.stops) if self.include else 0)
         else:
