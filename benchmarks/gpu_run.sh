@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
 #   bash benchmarks/gpu_run.sh moe-fma   # one GPU: the CUDA-core MXFP4 path: GPU tests, SASS mix, MoE layer at 1-8 tokens
+#   bash benchmarks/gpu_run.sh fma-e2e   # one GPU: its GPU tests, `peagle bench` at bs 1 and 8, the MoE layer at 1 and 8 tokens
 #   bash benchmarks/gpu_run.sh prefix-ttft  # one GPU: TTFT with a shared 2,048-token prefix, prefix cache on / off
 #   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
@@ -152,6 +153,14 @@ case "${1:-}" in
     timeout 60 python3 benchmarks/sass_mix.py --out "$OUT/sass" 2>&1 | tail -n 8
     timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers "${MOE_LAYERS:-120b-fma,20b-fma}" \
       --tokens "${MOE_TOKENS:-1,2,4,8}" > /tmp/moe_tiles.log 2>&1; tail -n 12 /tmp/moe_tiles.log
+    ;;
+  fma-e2e)  # one GPU: the CUDA-core MXFP4 path's GPU tests, `peagle bench` at decode sizes (20B bf16 and MXFP4, 120B
+            # MXFP4; bs 1 and 8, verify), then the MoE layer MMA against CUDA cores at 1 and 8 tokens (120B)
+    timeout 100 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k "cuda_core or capture" 2>&1 | tail -n 3
+    timeout 290 python3 -m peagle_core.cli bench --shape 20b --device cuda --skip-hf --skip-draft --batch-sizes 1,8 \
+      --out "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -n 30 "$OUT/bench.log"
+    timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers 120b-fma --tokens 1,8 \
+      > "$OUT/moe_tiles.log" 2>&1; tail -n 14 "$OUT/moe_tiles.log"
     ;;
   prefix-ttft)  # one GPU: TTFT with a 2,048-token shared prefix, prefix caching on against off (20B shape)
     timeout 300 python3 benchmarks/prefix_ttft.py --shape 20b --prefix 2048 --concurrency 4 --waves 4 --rounds 1 \
