@@ -267,7 +267,7 @@ def _unknown_fields() -> list[Case]:
         Case("unknown-top-level", COMPLETIONS, completion(temprature=0.5), 400),
         Case("unknown-in-message", CHAT, chat(messages=[{"role": "user", "content": "hi", "mood": "sad"}]), 400),
         Case("unknown-in-tokenize", "/tokenize", raw({"prompt": "a", "truncate": True}), 400),
-        Case("refused-n-2", CHAT, chat(n=2), 400),
+        Case("n-past-64", CHAT, chat(n=65), 400),
         Case("refused-response-format", CHAT, chat(response_format={"type": "json_object"}), 400),
         Case("refused-guided-json", COMPLETIONS, completion(guided_json={"type": "object"}), 400),
         Case("refused-echo", COMPLETIONS, completion(echo=True), 400),
