@@ -154,13 +154,14 @@ case "${1:-}" in
     timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers "${MOE_LAYERS:-120b-fma,20b-fma}" \
       --tokens "${MOE_TOKENS:-1,2,4,8}" > /tmp/moe_tiles.log 2>&1; tail -n 12 /tmp/moe_tiles.log
     ;;
-  fma-e2e)  # one GPU: the CUDA-core MXFP4 path's GPU tests, `peagle bench` at decode sizes (20B bf16 and MXFP4, 120B
-            # MXFP4; bs 1 and 8, verify), then the MoE layer MMA against CUDA cores at 1 and 8 tokens (120B)
-    timeout 100 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k "cuda_core or capture" 2>&1 | tail -n 3
-    timeout 290 python3 -m peagle_core.cli bench --shape 20b --device cuda --skip-hf --skip-draft --batch-sizes 1,8 \
-      --out "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -n 30 "$OUT/bench.log"
+  fma-e2e)  # one GPU: the MoE layer, MMA tiles against CUDA cores at 1 and 8 tokens (120B; each candidate checked
+            # against the shipped path's output), `peagle bench` at decode sizes (20B bf16 and MXFP4, 120B MXFP4; bs 1
+            # and 8, verify), then the CUDA-core path's GPU tests
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers 120b-fma --tokens 1,8 \
       > "$OUT/moe_tiles.log" 2>&1; tail -n 14 "$OUT/moe_tiles.log"
+    timeout 290 python3 -m peagle_core.cli bench --shape 20b --device cuda --skip-hf --skip-draft --batch-sizes 1,8 \
+      --out "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -n 30 "$OUT/bench.log"
+    timeout 100 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k "cuda_core or capture" 2>&1 | tail -n 3
     ;;
   prefix-ttft)  # one GPU: TTFT with a 2,048-token shared prefix, prefix caching on against off (20B shape)
     timeout 300 python3 benchmarks/prefix_ttft.py --shape 20b --prefix 2048 --concurrency 4 --waves 4 --rounds 1 \
