@@ -320,14 +320,6 @@ def _rows_dot(a_row, w_rows, s_rows, n_ok, k_begin, k_end, K, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _store_row_partial(acc, bias_ptrs, part_ptr, stride_ps, stride_pr, row, cols, col_ok):
-    """part[s, row, cols] = acc, plus the bias in K-chunk 0's partial (`triton_moe_mxfp4._store_partial`, one row)."""
-    split = tl.program_id(2)
-    bias = tl.load(bias_ptrs, mask=col_ok, other=0.0).to(tl.float32) * (split == 0).to(tl.float32)
-    tl.store(part_ptr + split * stride_ps + row * stride_pr + cols, acc + bias, mask=col_ok)
-
-
-@triton.jit
 def moe_up_fma_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_ptr, offsets_ptr,
                       num_experts, hidden, inter, alpha, limit, k_chunk,
                       stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
@@ -357,8 +349,11 @@ def moe_up_fma_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_ptr,
             h = _swiglu(gate, up, alpha, limit)
             tl.store(h_ptr + row * stride_ht + perm32(cols), h.to(h_ptr.dtype.element_ty), mask=col_ok)
         else:
-            _store_row_partial(gate, b_row + 2 * cols, part_ptr, stride_ps, stride_pr, row, 2 * cols, col_ok)
-            _store_row_partial(up, b_row + 2 * cols + 1, part_ptr, stride_ps, stride_pr, row, 2 * cols + 1, col_ok)
+            one = row + tl.arange(0, 1)  # this row as a 1-row tile, for the MMA kernels' partial store
+            _store_partial(gate[None, :], b_row + 2 * cols, part_ptr, stride_ps, stride_pr, one, one < end, 2 * cols,
+                           col_ok)
+            _store_partial(up[None, :], b_row + 2 * cols + 1, part_ptr, stride_ps, stride_pr, one, one < end,
+                           2 * cols + 1, col_ok)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
@@ -388,7 +383,8 @@ def moe_down_fma_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part_pt
             y = (acc + tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)) * tl.load(gates_ptr + pair)
             tl.store(y_ptr + pair * stride_yt + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
         else:
-            _store_row_partial(acc, b_row + cols, part_ptr, stride_ps, stride_pr, row, cols, col_ok)
+            one = row + tl.arange(0, 1)
+            _store_partial(acc[None, :], b_row + cols, part_ptr, stride_ps, stride_pr, one, one < end, cols, col_ok)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
