@@ -155,11 +155,11 @@ case "${1:-}" in
       --tokens "${MOE_TOKENS:-1,2,4,8}" > /tmp/moe_tiles.log 2>&1; tail -n 12 /tmp/moe_tiles.log
     ;;
   fma-e2e)  # one GPU: the MoE layer, MMA tiles against CUDA cores at 1 and 8 tokens (120B; each candidate checked
-            # against the shipped path's output), `peagle bench` at decode sizes (20B bf16 and MXFP4, 120B MXFP4; bs 1
-            # and 8, verify), then the CUDA-core path's GPU tests
+            # against the shipped path's output), `peagle bench` at decode sizes with the CUDA-core path on
+            # (PEAGLE_MXFP4_DECODE=fma; 20B bf16 and MXFP4, 120B MXFP4; bs 1 and 8, verify), then its GPU tests
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers 120b-fma --tokens 1,8 \
       > "$OUT/moe_tiles.log" 2>&1; tail -n 14 "$OUT/moe_tiles.log"
-    timeout 290 python3 -m peagle_core.cli bench --shape 20b --device cuda --skip-hf --skip-draft --batch-sizes 1,8 \
+    PEAGLE_MXFP4_DECODE=fma timeout 290 python3 -m peagle_core.cli bench --shape 20b --device cuda --skip-hf --skip-draft --batch-sizes 1,8 \
       --out "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -n 30 "$OUT/bench.log"
     timeout 100 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k "cuda_core or capture" 2>&1 | tail -n 3
     ;;

@@ -24,6 +24,7 @@ which 28 only find their expert empty (2,520 of the up-projection's 2,880 progra
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -214,10 +215,15 @@ class MoeTiles:
     fma: bool = False  # MXFP4: GEMVs on CUDA cores (triton_moe_mxfp4) instead of MMA tiles
 
 
+# "fma": packed experts at decode sizes run as GEMVs on CUDA cores (triton_moe_mxfp4). Off by default until it is
+# measured on a GPU (`bash benchmarks/gpu_run.sh fma-e2e`).
+MXFP4_DECODE = os.environ.get("PEAGLE_MXFP4_DECODE", "mma")
+
+
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
-    if mxfp4 and num_tokens <= 8:
-        # Packed experts at decode sizes: GEMVs on CUDA cores (triton_moe_mxfp4), 16 weight rows a program of two
-        # warps (one row a thread), K split in two up to 2 tokens for more loads in flight.
+    if mxfp4 and num_tokens <= 8 and MXFP4_DECODE == "fma":
+        # 16 weight rows a program of two warps (one row a thread), K split in two up to 2 tokens for more loads in
+        # flight.
         return MoeTiles(triton.next_power_of_2(num_tokens), 8, 16, 128, 2, 1, split_k=2 if num_tokens <= 2 else 1,
                         fma=True)
     if mxfp4 and num_tokens <= 64:
