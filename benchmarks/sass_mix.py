@@ -1,11 +1,12 @@
-"""The instruction mix of the MXFP4 MoE kernels as compiled for this GPU, one variant at a time.
+"""The instruction mix of the MXFP4 MoE up kernels' K-loop, compiled for sm_90 on any machine (no GPU needed).
 
-    python benchmarks/sass_mix.py --out "$OUT/sass" [--shape 120b] [--tokens 1]
+    python benchmarks/sass_mix.py [--out DIR]
 
-Runs one GPT-OSS MoE layer (random packed experts) with each named `MoeTiles` variant, takes the cubins Triton
-compiled for it from the JIT's in-memory cache, disassembles them (`triton.tools.disasm.get_sass`, the cuobjdump
-Triton ships) and writes each kernel's SASS and an opcode histogram. Reading which instructions a K-step costs is
-how we tell decode work from layout shuffles (`docs/benchmarks/moe_tiles.md`).
+Compiles `_moe_mxfp4_up_kernel` (MMA tiles, `tl.dot_scaled`) and `moe_up_fma_kernel` (CUDA cores) as the launcher
+would at the 120B shape and one token (Triton's own ptxas and cuobjdump, `GPUTarget("cuda", 90)`), finds each
+kernel's innermost loop in the SASS and counts its instructions by opcode, per weight a thread handles in one K-step.
+That count, not memory, is what the MMA path spends decode's time on (`docs/benchmarks/moe_tiles.md`), and reading
+it is how the CUDA-core path was shaped without a GPU. Writes sass_mix.json (and each kernel's SASS) to --out.
 """
 from __future__ import annotations
 
@@ -16,78 +17,87 @@ import re
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import peagle_kernels.triton_moe as tm  # noqa: E402
-import peagle_kernels.triton_moe_mxfp4 as mx  # noqa: E402
-from peagle_core.bench.models import build_random, target_config  # noqa: E402
-from peagle_core.models.gpt_oss import MoE  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
-VARIANTS = {  # MoeTiles fields as in benchmarks/moe_tiles.py; block_m 0 = T rounded up to a power of two
-    "mma-shipped": None,
-    "fma": (0, 8, 16, 128, 2, 1, 1, True),
+H = I = 2880  # GPT-OSS's hidden and intermediate sizes; 120B's E = 128 experts, k = 4
+COMMON = dict(x_ptr="*bf16", wb_ptr="*u8", ws_ptr="*u8", b1_ptr="*bf16", h_ptr="*bf16", part_ptr="*fp32",
+              order_ptr="*i32", offsets_ptr="*i32", num_experts="i32", hidden="i32", inter="i32", alpha="fp32",
+              limit="fp32", k_chunk="i32", stride_xt="i32", stride_wbe="i32", stride_wbn="i32", stride_wse="i32",
+              stride_wsn="i32", stride_be="i32", stride_ht="i32", stride_ps="i32", stride_pr="i32")
+# What the launcher sees at this shape: every pointer 16-byte aligned; integers divisible by 16 where they are.
+VALUES = dict(hidden=H, inter=I, k_chunk=H // 2, stride_xt=H, stride_wbe=2 * I * H // 2, stride_wbn=H // 2,
+              stride_wse=2 * I * H // 32, stride_wsn=H // 32, stride_be=2 * I, stride_ht=I, stride_ps=4 * 2 * I,
+              stride_pr=2 * I)
+VARIANTS = {  # name: (kernel, signature changes, constexprs, weights a thread handles a K-step, num_warps, stages)
+    "mma (tl.dot_scaled, 16x32x128 tiles, 2 warps)": (
+        "_moe_mxfp4_up_kernel", {}, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_SCALED=True, LHS_FMT="bf16",
+                                         DOT_PREC="tf32", FMA=None), 2 * 32 * 128 // 64, 2, 4),
+    "fma (CUDA cores, 16 rows x 128, 2 warps)": (
+        "moe_up_fma_kernel", dict(x_ptr="*fp32", wb_ptr="*i32", h_ptr="*fp32"),
+        dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, ASM=True), 16 * 128 // 64, 2, 1),
 }
-KERNELS = ("_moe_mxfp4_up_kernel", "_moe_mxfp4_down_kernel", "moe_up_fma_kernel", "moe_down_fma_kernel")
 
 
-def compiled_kernels(fn) -> list:
-    """Every CompiledKernel in a JITFunction's in-memory cache (Triton 3.x keeps them per device)."""
-    out = []
-    for caches in getattr(fn, "device_caches", {}).values():
-        cache = caches[0] if isinstance(caches, tuple) else caches
-        out += list(cache.values())
-    return out
+def compile_variant(kernel: str, sig_changes: dict, const: dict, warps: int, stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import peagle_kernels.triton_moe_mxfp4 as mx
+
+    sig = {**COMMON, **sig_changes}
+    if "wb_ptr" in sig_changes:  # the int32 view: a row is K/8 words
+        values = {**VALUES, "stride_wbe": VALUES["stride_wbe"] // 4, "stride_wbn": VALUES["stride_wbn"] // 4}
+    else:
+        values = VALUES
+    const = {k: v for k, v in {**const, "SPLIT": 1, "TOP_K": 4, "ONE_TILE": True, "E_PAD": 128,
+                                "USE_PDL": False}.items() if v is not None}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
+             if sig[k].startswith("*") or values.get(k, 1) % 16 == 0}
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(getattr(mx, kernel), sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
-def opcode_histogram(sass: str) -> dict[str, int]:
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return dict(collections.Counter(op.split(".")[0] for op in ops).most_common())
+def innermost_loop(sass: str) -> collections.Counter:
+    """Opcodes of the shortest block ending in a backward branch (the K-loop's body; not the one-line trap loop)."""
+    lines = sass.splitlines()
+    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\s*\.?L\w+:$", line)}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?(\.?L\w+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i - 8:
+            loops.append(lines[labels[m.group(1)]:i + 1])
+    body = min(loops, key=len) if loops else lines
+    ops = collections.Counter()
+    for line in body:
+        toks = line.split("\t", 1)[1].split() if "\t" in line else []
+        toks = toks[1:] if toks and toks[0].startswith("@") else toks
+        if toks:
+            ops[toks[0].rstrip(";")] += 1
+    return ops
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--shape", default="120b")
-    ap.add_argument("--tokens", type=int, default=1)
-    a = ap.parse_args()
-    out = Path(a.out)
+    ap.add_argument("--out", default="/tmp/sass_mix")
+    out = Path(ap.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
     from triton.tools.disasm import get_sass
 
-    layer = build_random(lambda: MoE(target_config(a.shape), mxfp4_experts=True), torch.device("cuda"),
-                         torch.bfloat16, 0)
-    x = torch.randn(a.tokens, 2880, device="cuda").bfloat16()
-    shipped, seen, summary = tm.moe_tiles, set(), {}
-    for name, c in VARIANTS.items():
-        if c is not None:
-            tiles = tm.MoeTiles(c[0] or max(1, 1 << (a.tokens - 1).bit_length()), *c[1:])
-            tm.moe_tiles = lambda n, k, mxfp4=False, t=tiles: t
-        try:
-            with torch.no_grad():
-                layer(x)
-            torch.cuda.synchronize()
-            for kname in KERNELS:
-                for ck in compiled_kernels(getattr(mx, kname)):
-                    if id(ck) in seen:
-                        continue
-                    seen.add(id(ck))
-                    sass = get_sass(ck.asm["cubin"])
-                    (out / f"{name}.{kname}.sass").write_text(sass)
-                    meta = getattr(ck, "metadata", None)
-                    summary[f"{name}.{kname}"] = {"ops": opcode_histogram(sass),
-                                                  "registers": getattr(ck, "n_regs", None),
-                                                  "spills": getattr(ck, "n_spills", None),
-                                                  "shared": getattr(meta, "shared", None)}
-        except Exception as e:  # noqa: BLE001  (a variant that fails still leaves the others' mix)
-            summary[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        finally:
-            tm.moe_tiles = shipped
-    (out / "sass_mix.json").write_text(json.dumps(summary, indent=1))
-    for key, v in summary.items():
-        ops = v.get("ops", {})
-        top = ", ".join(f"{k} {n}" for k, n in list(ops.items())[:14])
-        print(f"{key}: regs {v.get('registers')} spills {v.get('spills')} | {top or v.get('error')}")
+    result = {}
+    for name, (kernel, sig_changes, const, weights, warps, stages) in VARIANTS.items():
+        ck = compile_variant(kernel, sig_changes, const, warps, stages)
+        sass = get_sass(ck.asm["cubin"])
+        (out / f"{kernel}.sass").write_text(sass)
+        ops = innermost_loop(sass)
+        total = sum(ops.values())
+        result[name] = {"kernel": kernel, "loop_instructions": total, "weights_per_thread": weights,
+                        "per_weight": round(total / weights, 2), "ops": dict(ops.most_common())}
+        top = ", ".join(f"{k} {v}" for k, v in ops.most_common(10))
+        print(f"{name}: {total} instructions a K-step, {total / weights:.2f} a weight | {top}")
+    (out / "sass_mix.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
