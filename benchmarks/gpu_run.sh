@@ -154,6 +154,12 @@ case "${1:-}" in
     timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers "${MOE_LAYERS:-120b-fma,20b-fma}" \
       --tokens "${MOE_TOKENS:-1,2,4,8}" > /tmp/moe_tiles.log 2>&1; tail -n 12 /tmp/moe_tiles.log
     ;;
+  fma-layer)  # one GPU, a short call: the MoE layer, MMA tiles against CUDA cores at 1 and 8 tokens (120B), then the
+              # CUDA-core path's GPU tests
+    timeout "${MOE_TIMEOUT:-170}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers 120b-fma --tokens 1,8 \
+      > "$OUT/moe_tiles.log" 2>&1; tail -n 14 "$OUT/moe_tiles.log"
+    timeout 80 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k cuda_core 2>&1 | tail -n 3
+    ;;
   fma-e2e)  # one GPU: the MoE layer, MMA tiles against CUDA cores at 1 and 8 tokens (120B; each candidate checked
             # against the shipped path's output), `peagle bench` at decode sizes with the CUDA-core path on
             # (PEAGLE_MXFP4_DECODE=fma; 20B bf16 and MXFP4, 120B MXFP4; bs 1 and 8, verify), then its GPU tests
