@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
-#   bash benchmarks/gpu_run.sh moe-fma   # one GPU: the CUDA-core MXFP4 path: GPU tests, SASS mix, MoE layer at 1-8 tokens
-#   bash benchmarks/gpu_run.sh fma-e2e   # one GPU: its GPU tests, `peagle bench` at bs 1 and 8, the MoE layer at 1 and 8 tokens
+#   bash benchmarks/gpu_run.sh fma-e2e   # one GPU: the MoE layer MMA vs CUDA cores, `peagle bench` with the CUDA-core path, its tests
+#   bash benchmarks/gpu_run.sh fma-layer # one GPU, short: the MoE layer MMA vs CUDA cores at 1 and 8 tokens, its tests
 #   bash benchmarks/gpu_run.sh prefix-ttft  # one GPU: TTFT with a shared 2,048-token prefix, prefix cache on / off
 #   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
@@ -147,12 +147,6 @@ case "${1:-}" in
       > /tmp/bench.log 2>&1; tail -n 24 /tmp/bench.log
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 256 --layers 120b-mxfp4,20b-mxfp4 \
       > /tmp/moe_tiles.log 2>&1; tail -n 16 /tmp/moe_tiles.log
-    ;;
-  moe-fma)  # one GPU: the CUDA-core MXFP4 path: its GPU tests, the instruction mix, the MoE layer at 1-8 tokens
-    timeout 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k cuda_core 2>&1 | tail -n 4
-    timeout 60 python3 benchmarks/sass_mix.py --out "$OUT/sass" 2>&1 | tail -n 8
-    timeout "${MOE_TIMEOUT:-300}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers "${MOE_LAYERS:-120b-fma,20b-fma}" \
-      --tokens "${MOE_TOKENS:-1,2,4,8}" > /tmp/moe_tiles.log 2>&1; tail -n 12 /tmp/moe_tiles.log
     ;;
   fma-layer)  # one GPU, a short call: the MoE layer, MMA tiles against CUDA cores at 1 and 8 tokens (120B), then the
               # CUDA-core path's GPU tests
@@ -335,5 +329,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|fma-layer|fma-e2e|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

@@ -32,7 +32,7 @@ VALUES = dict(hidden=H, inter=I, k_chunk=H // 2, stride_xt=H, stride_wbe=2 * I *
 VARIANTS = {  # name: (kernel, signature changes, constexprs, weights a thread handles a K-step, num_warps, stages)
     "mma (tl.dot_scaled, 16x32x128 tiles, 2 warps)": (
         "_moe_mxfp4_up_kernel", {}, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_SCALED=True, LHS_FMT="bf16",
-                                         DOT_PREC="tf32", FMA=None), 2 * 32 * 128 // 64, 2, 4),
+                                         DOT_PREC="tf32"), 2 * 32 * 128 // 64, 2, 4),
     "fma (CUDA cores, 16 rows x 128, 2 warps)": (
         "moe_up_fma_kernel", dict(x_ptr="*fp32", wb_ptr="*i32", h_ptr="*fp32"),
         dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, ASM=True), 16 * 128 // 64, 2, 1),
@@ -51,8 +51,7 @@ def compile_variant(kernel: str, sig_changes: dict, const: dict, warps: int, sta
         values = {**VALUES, "stride_wbe": VALUES["stride_wbe"] // 4, "stride_wbn": VALUES["stride_wbn"] // 4}
     else:
         values = VALUES
-    const = {k: v for k, v in {**const, "SPLIT": 1, "TOP_K": 4, "ONE_TILE": True, "E_PAD": 128,
-                                "USE_PDL": False}.items() if v is not None}
+    const = {**const, "SPLIT": 1, "TOP_K": 4, "ONE_TILE": True, "E_PAD": 128, "USE_PDL": False}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
              if sig[k].startswith("*") or values.get(k, 1) % 16 == 0}
     sig.update({k: "constexpr" for k in const})
