@@ -112,10 +112,8 @@ def test_split_k_matches_reference(mx, T, H, I, E, top_k, limit, split_k):
 @pytest.mark.parametrize("T,H,I,E,top_k,limit", [CASES[0], CASES[1]])
 def test_cuda_core_path_matches_reference(mx, tiles, split_k, T, H, I, E, top_k, limit):
     """The CUDA-core (no MMA) path, K whole and split (h then goes through the finishing kernel), M-tiles of 1 to 16
-    rows. Scales reach the E8M0 range's edges (0 = 2^-127, and 2^20), so the decode is checked beyond the usual
+    rows (fewer than T: an expert's rows span several tiles). Scales reach the E8M0 range's edges (0 = 2^-127, and 2^20), so the decode is checked beyond the usual
     octaves."""
-    if T > tiles[0]:
-        pytest.skip("one M-tile per expert needs BLOCK_M >= T")
     p = make_packed(T, H, I, E, seed=T + 11)
     for key in ("w1_scales", "w2_scales"):
         p[key].view(-1)[::7] = 0
