@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
-#   bash benchmarks/gpu_run.sh fma-e2e   # one GPU: the MoE layer MMA vs CUDA cores, `peagle bench` with the CUDA-core path, its tests
-#   bash benchmarks/gpu_run.sh fma-layer # one GPU, short: the MoE layer MMA vs CUDA cores at 1 and 8 tokens, its tests
+#   bash benchmarks/gpu_run.sh moe-where # one GPU: the 120B MXFP4 MoE layer's kernels, its bytes read by pattern, its step's kernels
+#   bash benchmarks/gpu_run.sh spec-120b # one GPU: speculation at the 120B MXFP4 shape (replayed acceptance), per-user tok/s
 #   bash benchmarks/gpu_run.sh prefix-ttft  # one GPU: TTFT with a shared 2,048-token prefix, prefix cache on / off
 #   bash benchmarks/gpu_run.sh skinny    # one H200: the attention projections, cuBLAS against the skinny Triton GEMM
 #   bash benchmarks/gpu_run.sh pair-tp   # two H200s: the tiny pair's heads, then TP=1 vs TP=2 (20B shape)
@@ -100,7 +100,7 @@ case "${1:-}" in
     ;;
   ab)  # one H200: a change's decode-step profile against an earlier commit's, in one call. BASE: that commit's code
        # (`git archive -o data/base.tgz REV kernels peagle_core ':(exclude)peagle_core/assets'`, carried); rounds of
-       # `profile_step.py --graphs-only --skip-draft`, base then this tree, with the GPU tests of AB_TESTS between the
+       # `profile_step.py --graphs-only --skip-draft $AB_ARGS` (e.g. "--shape 120b --mxfp4"), base then this tree, with the GPU tests of AB_TESTS between the
        # first round and the rest; AB_VARIANTS: more runs of this tree, ';'-separated "name:env...:profile args"
        mkdir -p /tmp/base/benchmarks && tar xzf "${BASE:-data/base.tgz}" -C /tmp/base || exit 1
        cp benchmarks/profile_step.py /tmp/base/benchmarks/  # (the flags; it imports the code beside it)
@@ -108,7 +108,7 @@ case "${1:-}" in
          local name=$1 dir=$2 envs=() ; shift 2
          while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done; [ "${1:-}" = -- ] && shift
          (cd "$dir" && env PYTHONPATH="$dir:$dir/kernels:$dir/cluster:$dir/loadtest:/tmp/site" "${envs[@]}" timeout "${AB_TIMEOUT:-120}" python3 \
-           benchmarks/profile_step.py --graphs-only --skip-draft "$@" --out "/tmp/ab/$name") 2>&1 \
+           benchmarks/profile_step.py --graphs-only --skip-draft ${AB_ARGS:-} "$@" --out "/tmp/ab/$name") 2>&1 \
            | grep -v "^USDT\|^STAGE" | sed "s/^/$name: /" | tail -n 3
        }
        ab_profile base_1 /tmp/base; ab_profile new_1 "$PWD"
@@ -148,20 +148,25 @@ case "${1:-}" in
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 256 --layers 120b-mxfp4,20b-mxfp4 \
       > /tmp/moe_tiles.log 2>&1; tail -n 16 /tmp/moe_tiles.log
     ;;
-  fma-layer)  # one GPU, a short call: the MoE layer, MMA tiles against CUDA cores at 1 and 8 tokens (120B), then the
-              # CUDA-core path's GPU tests
-    timeout "${MOE_TIMEOUT:-170}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers 120b-fma --tokens 1,8 \
-      > "$OUT/moe_tiles.log" 2>&1; tail -n 14 "$OUT/moe_tiles.log"
-    timeout 80 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k cuda_core 2>&1 | tail -n 3
+  moe-where)  # one GPU: where the 120B MXFP4 MoE layer's time goes (its kernels), its bytes read by access pattern
+              # (benchmarks/mxfp4_stream.py), wider K-steps, then the 120B MXFP4 step's kernels (with and without PDL)
+    timeout 150 python3 benchmarks/mxfp4_stream.py --out "$OUT" > "$OUT/stream.log" 2>&1; tail -n 8 "$OUT/stream.log"
+    timeout 120 python3 benchmarks/moe_tiles.py --out "$OUT/tiles" --max-t 64 --layers 120b-wide --tokens 1,8 \
+      > "$OUT/tiles.log" 2>&1; tail -n 4 "$OUT/tiles.log"
+    timeout 240 python3 benchmarks/profile_step.py --shape 120b --mxfp4 --graphs-only --skip-draft --pdl \
+      --bandwidth-tb-s 3.1 --out "$OUT/profile" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 4
     ;;
-  fma-e2e)  # one GPU: the MoE layer, MMA tiles against CUDA cores at 1 and 8 tokens (120B; each candidate checked
-            # against the shipped path's output), `peagle bench` at decode sizes with the CUDA-core path on
-            # (PEAGLE_MXFP4_DECODE=fma; 20B bf16 and MXFP4, 120B MXFP4; bs 1 and 8, verify), then its GPU tests
-    timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 64 --layers 120b-fma --tokens 1,8 \
-      > "$OUT/moe_tiles.log" 2>&1; tail -n 14 "$OUT/moe_tiles.log"
-    PEAGLE_MXFP4_DECODE=fma timeout 290 python3 -m peagle_core.cli bench --shape 20b --device cuda --skip-hf --skip-draft --batch-sizes 1,8 \
-      --out "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -n 30 "$OUT/bench.log"
-    timeout 100 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py -k "cuda_core or capture" 2>&1 | tail -n 3
+  spec-120b)  # one GPU: issue 51's speculation end to end at the 120B MXFP4 shape, acceptance replayed at the
+              # conditional rates 0.80..0.45 per position (synthetic, benchmark only): per-user tok/s at concurrency 1,
+              # 4 and 16 for no speculation, P-EAGLE K = 3, 5, 7 and adaptive, then EAGLE-3 K = 3
+    local_args=(--shape 120b --device cuda --replay synthetic:0.80,0.72,0.66,0.60,0.55,0.50,0.45 --concurrency 1,4,16
+                --waves 2 --min-requests 4 --max-tokens 64 --warm-policy --kv-cache-gb 4)
+    timeout "${SPEC_TIMEOUT:-340}" python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" \
+      --policies none,K3,K5,K7,adaptive --time-budget-s "${SPEC_BUDGET:-250}" --out /tmp/spec120 \
+      > "$OUT/spec120.log" 2>&1; grep -v "$QUIET" "$OUT/spec120.log" | tail -n 12
+    timeout "${SPEC_E3_TIMEOUT:-170}" python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" --mode eagle3 \
+      --policies K3 --out /tmp/spec120_eagle3 > "$OUT/spec120_eagle3.log" 2>&1; grep -v "$QUIET" "$OUT/spec120_eagle3.log" | tail -n 6
+    tar czf "$OUT/spec120.tgz" -C /tmp spec120 spec120_eagle3
     ;;
   prefix-ttft)  # one GPU: TTFT with a 2,048-token shared prefix, prefix caching on against off (20B shape)
     timeout 300 python3 benchmarks/prefix_ttft.py --shape 20b --prefix 2048 --concurrency 4 --waves 4 --rounds 1 \
@@ -329,5 +334,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|fma-layer|fma-e2e|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|moe-where|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import peagle_kernels.triton_moe as tm  # noqa: E402
@@ -26,21 +25,18 @@ from peagle_core.bench.models import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 from peagle_core.timing import time_graph  # noqa: E402
 
-# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k, fma); block_m 0 = T rounded up
-# to a power of two (one M-tile per expert). The first of each list is what `moe_tiles` ships for 2-64 tokens (at one
-# token it splits K in two: the second). docs/benchmarks/moe_tiles.md's tables come from these (`--max-t 64`, and
+# MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k). The first of each list is what
+# `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second). docs/benchmarks/moe_tiles.md's tables come from these (`--max-t 64`, and
 # `--max-t 256` for the largest batches).
 MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 32, 32, 128, 2, 4, 4), (16, 32, 32, 128, 2, 4, 8),
          (16, 32, 32, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 1), (16, 64, 64, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 8),
          (16, 32, 32, 64, 2, 4, 4), (16, 32, 32, 64, 2, 6, 8), (16, 16, 16, 128, 1, 4, 4), (16, 32, 32, 256, 2, 3, 4),
          (32, 32, 32, 128, 2, 4, 1), (64, 64, 128, 64, 4, 3, 1)]
-# The CUDA-core path (MoeTiles.fma), for a handful of rows an expert.
-FMA = [(0, n, d, bk, w, st, sp, True) for (n, d, bk, w, st, sp) in
-       [(8, 16, 128, 2, 1, 1), (8, 16, 128, 2, 1, 2), (8, 16, 128, 2, 1, 4), (16, 32, 128, 4, 1, 2),
-        (8, 16, 256, 2, 1, 1), (8, 16, 256, 2, 1, 2), (8, 16, 128, 2, 3, 2), (4, 8, 128, 1, 1, 2)]]
-LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "20b-mxfp4": ("20b", True, MXFP4),
-          "120b-fma": ("120b", True, MXFP4[:3] + FMA), "20b-fma": ("20b", True, MXFP4[:3] + FMA),
-          "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
+# Wider K-steps: more contiguous bytes of each row a step (64 B at block_k 128).
+WIDE = [(16, 32, 32, 256, 2, 4, 2), (16, 16, 16, 256, 2, 4, 2), (16, 16, 16, 512, 2, 3, 2), (16, 32, 32, 512, 4, 3, 1),
+        (16, 16, 16, 512, 2, 3, 1), (16, 8, 8, 512, 1, 3, 2)]
+LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "120b-wide": ("120b", True, MXFP4[:2] + WIDE),
+          "20b-mxfp4": ("20b", True, MXFP4), "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
 
 
 def main() -> None:
@@ -68,7 +64,7 @@ def main() -> None:
                 want = layer(x).float()
             nbytes = experts * expert_bytes
             for c in (candidates if T <= a.max_t else candidates[:1]):
-                tiles = tm.MoeTiles(c[0] or triton.next_power_of_2(T), *c[1:])
+                tiles = tm.MoeTiles(*c)
                 tm.moe_tiles = lambda n, k, mxfp4=False, t=tiles: t if n <= a.max_t else shipped(n, k, mxfp4)
                 try:
                     with torch.no_grad():
@@ -86,7 +82,7 @@ def main() -> None:
         del layer
         torch.cuda.empty_cache()
     (out / "moe_tiles.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
-    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages, split_k, fma) | us | TB/s | rel. err |",
+    md = ["| layer | T | tiles (bm, up_n, down_n, bk, warps, stages, split_k) | us | TB/s | rel. err |",
           "| --- | --- | --- | --- | --- | --- |"]
     md += [f"| {r['layer']} | {r['T']} | {r['tiles']} | {r.get('us', float('nan')):.1f} | "
            f"{r.get('tb_s', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |" for r in rows]

@@ -1,7 +1,8 @@
-"""Where a bs-1 step's time goes on the GPU: kernel times from torch.profiler, 20B shape, random weights.
+"""Where a bs-1 step's time goes on the GPU: kernel times from torch.profiler, 20B shape (or 120B), random weights.
 
     python benchmarks/profile_step.py --out "$OUT"        # one H200, about a minute
     python benchmarks/profile_step.py --pdl --out "$OUT"  # and the decode graph again with PEAGLE_PDL=1
+    python benchmarks/profile_step.py --shape 120b --mxfp4 --graphs-only --skip-draft --out "$OUT"  # as users serve 120B
 
 For a plain decode step and a verify step of k = 7, each replayed from CUDA graphs and run eagerly, and the
 P-EAGLE drafter's step (`peagle bench`'s random 4-layer head) after a verify of K = 1 and K = 7 drafts, from
@@ -196,7 +197,8 @@ def render(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="20b", choices=["tiny", "20b"])
+    ap.add_argument("--shape", default="20b", choices=["tiny", "20b", "120b"])
+    ap.add_argument("--mxfp4", action="store_true", help="experts packed in MXFP4, as the checkpoints load on a GPU")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10, help="profiled steps per case")
     ap.add_argument("--bandwidth-tb-s", type=float, default=4.31, help="for the bandwidth-bound column")
@@ -222,9 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target = build_random(lambda: GptOss(target_config(a.shape)), dev, dtype, 0)
+    target = build_random(lambda: GptOss(target_config(a.shape), mxfp4_experts=a.mxfp4), dev, dtype, 0)
     layout = Layout.for_run(a.context, 7, 1)
-    res = {"shape": a.shape, "context": a.context, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+    res = {"shape": a.shape + (" MXFP4" if a.mxfp4 else ""), "context": a.context, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
     graph_modes = ((True,) if a.graphs_only else (True, False)) if dev.type == "cuda" else (False,)

@@ -1,12 +1,11 @@
-"""The instruction mix of the MXFP4 MoE up kernels' K-loop, compiled for sm_90 on any machine (no GPU needed).
+"""The instruction mix of the MXFP4 MoE up kernel's K-loop, compiled for sm_90 on any machine (no GPU needed).
 
     python benchmarks/sass_mix.py [--out DIR]
 
-Compiles `_moe_mxfp4_up_kernel` (MMA tiles, `tl.dot_scaled`) and `moe_up_fma_kernel` (CUDA cores) as the launcher
-would at the 120B shape and one token (Triton's own ptxas and cuobjdump, `GPUTarget("cuda", 90)`), finds each
-kernel's innermost loop in the SASS and counts its instructions by opcode, per weight a thread handles in one K-step.
-That count, not memory, is what the MMA path spends decode's time on (`docs/benchmarks/moe_tiles.md`), and reading
-it is how the CUDA-core path was shaped without a GPU. Writes sass_mix.json (and each kernel's SASS) to --out.
+Compiles `_moe_mxfp4_up_kernel` (MMA tiles, `tl.dot_scaled`) as the launcher would at the 120B shape and one token
+(Triton's own ptxas and cuobjdump, `GPUTarget("cuda", 90)`), finds the kernel's innermost loop in the SASS and counts
+its instructions by opcode, per weight a thread handles in one K-step: the FP4 expansion into the MMA's operand
+layout, not the MMA, is most of it (`docs/benchmarks/moe_tiles.md`). Writes sass_mix.json (and the SASS) to --out.
 """
 from __future__ import annotations
 
@@ -29,28 +28,21 @@ COMMON = dict(x_ptr="*bf16", wb_ptr="*u8", ws_ptr="*u8", b1_ptr="*bf16", h_ptr="
 VALUES = dict(hidden=H, inter=I, k_chunk=H // 2, stride_xt=H, stride_wbe=2 * I * H // 2, stride_wbn=H // 2,
               stride_wse=2 * I * H // 32, stride_wsn=H // 32, stride_be=2 * I, stride_ht=I, stride_ps=4 * 2 * I,
               stride_pr=2 * I)
-VARIANTS = {  # name: (kernel, signature changes, constexprs, weights a thread handles a K-step, num_warps, stages)
+VARIANTS = {  # name: (kernel, constexprs, weights a thread handles a K-step, num_warps, stages)
     "mma (tl.dot_scaled, 16x32x128 tiles, 2 warps)": (
-        "_moe_mxfp4_up_kernel", {}, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_SCALED=True, LHS_FMT="bf16",
-                                         DOT_PREC="tf32"), 2 * 32 * 128 // 64, 2, 4),
-    "fma (CUDA cores, 16 rows x 128, 2 warps)": (
-        "moe_up_fma_kernel", dict(x_ptr="*fp32", wb_ptr="*i32", h_ptr="*fp32"),
-        dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, ASM=True), 16 * 128 // 64, 2, 1),
+        "_moe_mxfp4_up_kernel", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_SCALED=True, LHS_FMT="bf16",
+                                 DOT_PREC="tf32"), 2 * 32 * 128 // 64, 2, 4),
 }
 
 
-def compile_variant(kernel: str, sig_changes: dict, const: dict, warps: int, stages: int):
+def compile_variant(kernel: str, const: dict, warps: int, stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import peagle_kernels.triton_moe_mxfp4 as mx
 
-    sig = {**COMMON, **sig_changes}
-    if "wb_ptr" in sig_changes:  # the int32 view: a row is K/8 words
-        values = {**VALUES, "stride_wbe": VALUES["stride_wbe"] // 4, "stride_wbn": VALUES["stride_wbn"] // 4}
-    else:
-        values = VALUES
+    sig, values = dict(COMMON), VALUES
     const = {**const, "SPLIT": 1, "TOP_K": 4, "ONE_TILE": True, "E_PAD": 128, "USE_PDL": False}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
              if sig[k].startswith("*") or values.get(k, 1) % 16 == 0}
@@ -86,8 +78,8 @@ def main() -> None:
     from triton.tools.disasm import get_sass
 
     result = {}
-    for name, (kernel, sig_changes, const, weights, warps, stages) in VARIANTS.items():
-        ck = compile_variant(kernel, sig_changes, const, warps, stages)
+    for name, (kernel, const, weights, warps, stages) in VARIANTS.items():
+        ck = compile_variant(kernel, const, warps, stages)
         sass = get_sass(ck.asm["cubin"])
         (out / f"{kernel}.sass").write_text(sass)
         ops = innermost_loop(sass)

@@ -204,7 +204,7 @@ def moe_bf16() -> None:
 
 def moe_packed() -> None:
     """MXFP4 experts: `tl.dot_scaled` (the default for bf16), the explicit decode (PEAGLE_MXFP4_DOT=unpack), K split
-    over programs (with its finishing kernels), and the CUDA-core GEMVs (decode sizes, whole K and split)."""
+    over programs (with its finishing kernels)."""
     triton_moe_mxfp4 = sys.modules["peagle_kernels.triton_moe_mxfp4"]
     H, I, E = 64, 64, 32
     w = moe_weights(H, I, E)
@@ -219,10 +219,6 @@ def moe_packed() -> None:
         triton_moe_mxfp4.moe_mxfp4_triton(x, **packed, top_k=4, alpha=1.702, limit=7.0, reduce=False,
                                           dot_scaled=False)
     triton_moe_mxfp4.moe_mxfp4_triton(randn(4, H), **packed, top_k=4, alpha=1.702, limit=7.0, split_k=4)
-    tiles = sys.modules["peagle_kernels.triton_moe"].MoeTiles
-    for T, split in ((1, 2), (4, 1)):  # the CUDA-core GEMVs (PEAGLE_MXFP4_DECODE=fma)
-        gemv = tiles(1 << (T - 1).bit_length(), 8, 16, 128, 2, 1, split_k=split, fma=True)
-        triton_moe_mxfp4.moe_mxfp4_triton(randn(T, H), **packed, top_k=4, alpha=1.702, limit=7.0, tiles=gemv)
 
 
 def routing() -> None:

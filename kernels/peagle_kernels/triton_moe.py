@@ -24,7 +24,6 @@ which 28 only find their expert empty (2,520 of the up-projection's 2,880 progra
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -212,20 +211,10 @@ class MoeTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1  # MXFP4 at decode sizes: K split over this many programs (triton_moe_mxfp4)
-    fma: bool = False  # MXFP4: GEMVs on CUDA cores (triton_moe_mxfp4) instead of MMA tiles
 
-
-# "fma": packed experts at decode sizes run as GEMVs on CUDA cores (triton_moe_mxfp4). Off by default until it is
-# measured on a GPU (`bash benchmarks/gpu_run.sh fma-e2e`).
-MXFP4_DECODE = os.environ.get("PEAGLE_MXFP4_DECODE", "mma")
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
-    if mxfp4 and num_tokens <= 8 and MXFP4_DECODE == "fma":
-        # 16 weight rows a program of two warps (one row a thread), K split in two up to 2 tokens for more loads in
-        # flight.
-        return MoeTiles(triton.next_power_of_2(num_tokens), 8, 16, 128, 2, 1, split_k=2 if num_tokens <= 2 else 1,
-                        fma=True)
     if mxfp4 and num_tokens <= 64:
         # Packed experts, measured on an H100 at the 120B and 20B shapes (docs/benchmarks/moe_tiles.md): two warps
         # and 32-wide N tiles through 64 tokens (1.36-1.47x the grouped tiles below at 64), K split in two at one
@@ -267,17 +256,16 @@ class RoutedPairs:
 
 
 def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, top_k: int,
-                   mxfp4: bool = False, routing: Routing | None = None, tiles: MoeTiles | None = None) -> RoutedPairs:
+                   mxfp4: bool = False, routing: Routing | None = None) -> RoutedPairs:
     """Steps 1-2 of every grouped MoE (bf16 or MXFP4 weights), on device: one launch at decode sizes (the
     routing kernel sorts the pairs too), else the routing kernel then `sort_pairs_by_expert`. A `routing`
-    worked out already (`peagle_kernels.moe.norm_and_route`) is only sorted, if it is not yet. `tiles`: launch shapes
-    other than `moe_tiles`' (tests, benchmarks)."""
+    worked out already (`peagle_kernels.moe.norm_and_route`) is only sorted, if it is not yet."""
     T, E = x.shape[0], router_w.shape[0]
     if routing is not None and tuple(routing.experts.shape) != (T, top_k):
         raise ValueError(f"moe: routing for {tuple(routing.experts.shape)} pairs, x needs ({T}, {top_k})")
     gates, experts, sorted_pairs = routing or route_and_sort_pairs(x, router_w, router_b, top_k)
     order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
-    tiles = tiles or moe_tiles(T, top_k, mxfp4)
+    tiles = moe_tiles(T, top_k, mxfp4)
     return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, one_tile=T <= tiles.block_m)
 
 

@@ -20,22 +20,6 @@ Two ways to expand a tile (constexpr `DOT_SCALED`):
 Layout: a packed matrix [E, N, K/32, 16] is read as bytes [E, N, K/2] (byte j of a row holds
 weights 2j (low nibble) and 2j+1 (high nibble)); its scales [E, N, K/32]. H and I must be
 multiples of 32 (whole MXFP4 blocks), not of the tiles: partial K-tiles are masked by whole blocks.
-
-At decode sizes (`MoeTiles.fma`, the `*_fma_kernel`s) the experts run as GEMVs on CUDA cores, no MMA. With one
-to a few token rows an expert, an MMA tile is mostly padding, and on Hopper the packed operand must first be expanded
-into the MMA's register layout: that expansion, not memory, is where the MMA kernels spend decode's time
-(`docs/benchmarks/moe_tiles.md`). There each thread decodes the int32 words it loaded, in the layout it loaded them
-in, and multiplies with fused FMAs:
-
-- Word j of a row holds weights 8j..8j+7, weight 8j + i in nibble i. Nibbles i and i + 4 sit 16 bits apart, so one
-  shift and two masks turn both into fp16 bit patterns (`_fp16_pairs`): 2 integer operations a weight.
-- The activations are read in fp32 (no conversion in the loop) and "nibble-major" within each 32-weight block
-  (`perm32`), so the values nibble i of four consecutive words needs are 4 consecutive elements: one vector load,
-  laid out as the words are.
-- Per block, the 4 words' sums are multiplied by the block's E8M0 scale; rows are summed once at the end.
-
-The up kernel writes h already in that order for the down kernel. A program owns BLOCK_N output rows of one
-expert over one K-chunk and walks that expert's token rows one at a time (each row re-reads the tile from L1/L2).
 """
 from __future__ import annotations
 
@@ -46,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from peagle_kernels.dispatch import interpret_mode, pdl_launch
+from peagle_kernels.dispatch import pdl_launch
 from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
-from peagle_kernels.triton_moe import (MoeTiles, _expert_rows, _swiglu, _swiglu_store, _weighted_store,
+from peagle_kernels.triton_moe import (_expert_rows, _swiglu, _swiglu_store, _weighted_store,
                                        route_and_sort, token_outputs)
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
@@ -208,9 +192,8 @@ def _sum_partials(part_ptr, stride_ps, stride_pr, rows, cols, mask, SPLIT: tl.co
 @triton.jit
 def _swiglu_finish_kernel(part_ptr, h_ptr, num_rows, inter, alpha, limit, stride_ps, stride_pr, stride_ht,
                           SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                          PERM: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    """h[row, c] = clamped-SwiGLU of the up projection's K-chunks summed (gate at 2c, up at 2c + 1); PERM: h stored
-    nibble-major, for the CUDA-core down kernel (`perm32`)."""
+                          USE_PDL: tl.constexpr = False):
+    """h[row, c] = clamped-SwiGLU of the up projection's K-chunks summed (gate at 2c, up at 2c + 1)."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -219,8 +202,7 @@ def _swiglu_finish_kernel(part_ptr, h_ptr, num_rows, inter, alpha, limit, stride
     gate = _sum_partials(part_ptr, stride_ps, stride_pr, rows, 2 * cols, mask, SPLIT)
     up = _sum_partials(part_ptr, stride_ps, stride_pr, rows, 2 * cols + 1, mask, SPLIT)
     h = _swiglu(gate, up, alpha, limit)
-    h_cols = perm32(cols) if PERM else cols
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + h_cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_ht + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
@@ -244,151 +226,6 @@ def _scatter_finish_kernel(part_ptr, gates_ptr, order_ptr, y_ptr, num_rows, hidd
         tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
 
 
-# CUDA cores at decode sizes (the module docstring's last part)
-
-@triton.jit
-def perm32(k):
-    """Position of element k in the nibble-major order: inside each 32-block, k = 8w + i is stored at 4i + w."""
-    return k - k % 32 + 4 * (k % 8) + (k % 32) // 8
-
-
-@triton.jit
-def _fp16_pairs(w, I: tl.constexpr, ASM: tl.constexpr):
-    """Nibbles I and I + 4 of the int32 words w (FP4 codes, 16 bits apart) -> their values x 2^-14 as fp32 (low,
-    high): each code's magnitude bits move to an fp16's bits 9-11 and its sign to bit 15, both codes at once (0.5,
-    the E2M1 subnormal, lands on the fp16 subnormal 2^-15, so no case is special). Two shifts and two masks make two
-    weights. ASM (compiled): each half converted where it sits (the conversion reads a register's half); the
-    interpreter runs the same steps in Triton."""
-    mag = w << (9 - 4 * I) if I < 3 else w >> (4 * I - 9)
-    h = (mag & 0x0E000E00) | ((w << (12 - 4 * I)) & -0x7FFF8000)  # -0x7FFF8000: the int32 0x80008000
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b16 l, u; mov.b32 {l, u}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, u; }",
-            "=r,=r,r", [h], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def _k_step(acc, a_row, w_rows, s_rows, n_ok, k0, K, BLOCK_R: tl.constexpr, BW: tl.constexpr, TAIL: tl.constexpr,
-            ASM: tl.constexpr):
-    """acc [BLOCK_R, BW/4] += the K-step at k0's per-block dot products, scaled. Only the TAIL step (past K) masks K
-    (weights 0 there, activations 0 too: 0 x garbage could be NaN); rows past N load garbage nobody stores."""
-    j = k0 // 8 + tl.arange(0, BW)
-    b = k0 // 32 + tl.arange(0, BW // 4)
-    a_at = a_row + 32 * (j // 4) + j % 4  # nibble 0 of word j; nibble i is 4i further (nibble-major)
-    a_at = a_at[None, :] + tl.zeros([BLOCK_R, 1], tl.int32)  # the same for every row: loads laid out as the words
-    # one scale a thread: loaded in the layout the block sums come in (no shuffle through shared memory)
-    s_at = tl.max_contiguous(s_rows[:, None] + b[None, :], [1, 1])
-    if TAIL:
-        j_ok = (j // 4 < K // 32)[None, :]  # whole blocks: constant over a block's 4 words (vector loads stay)
-        words = tl.load(w_rows[:, None] + j[None, :], mask=n_ok[:, None] & j_ok, other=0)
-        s = tl.load(s_at, mask=n_ok[:, None] & (b < K // 32)[None, :], other=127)
-    else:
-        words = tl.load(w_rows[:, None] + j[None, :], mask=n_ok[:, None])
-        s = tl.load(s_at, mask=n_ok[:, None])
-    p = tl.zeros([BLOCK_R, BW], tl.float32)
-    for i in tl.static_range(4):
-        lo, hi = _fp16_pairs(words, i, ASM)
-        if TAIL:
-            p += lo * tl.load(a_at + 4 * i, mask=j_ok, other=0.0)
-            p += hi * tl.load(a_at + 4 * i + 16, mask=j_ok, other=0.0)
-        else:
-            p += lo * tl.load(a_at + 4 * i)
-            p += hi * tl.load(a_at + 4 * i + 16)
-    s = s.to(tl.int32)
-    scale = ((s << 23) | ((s == 0).to(tl.int32) << 22)).to(tl.float32, bitcast=True)  # 2^(s-127); 0: subnormal
-    return acc + tl.sum(tl.reshape(p, (BLOCK_R, BW // 4, 4)), 2) * scale
-
-
-@triton.jit
-def _rows_dot(a_row, w_rows, s_rows, n_ok, k_begin, k_end, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-              ASM: tl.constexpr):
-    """[BLOCK_R] fp32: each packed weight row (w_rows: int32 words, K/8 a row; s_rows: E8M0 bytes, K/32 a row) dotted
-    with the activation row a_row (fp32, nibble-major: `perm32`) over K in [k_begin, k_end); k_begin is a multiple
-    of BLOCK_K, so a's 4-element runs are aligned."""
-    BW: tl.constexpr = BLOCK_K // 8  # words a K-step
-    acc = tl.zeros([BLOCK_R, BW // 4], tl.float32)
-    k_full = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K
-    for k0 in range(k_begin, k_full, BLOCK_K):
-        acc = _k_step(acc, a_row, w_rows, s_rows, n_ok, k0, K, BLOCK_R, BW, False, ASM)
-    if k_full < k_end:
-        acc = _k_step(acc, a_row, w_rows, s_rows, n_ok, k_full, K, BLOCK_R, BW, True, ASM)
-    return tl.sum(acc, 1) * 16384.0  # the fp16 patterns were the values x 2^-14
-
-
-@triton.jit
-def moe_up_fma_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_ptr, offsets_ptr,
-                      num_experts, hidden, inter, alpha, limit, k_chunk,
-                      stride_xt, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_ht,
-                      stride_ps, stride_pr, SPLIT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr,
-                      ASM: tl.constexpr = True, USE_PDL: tl.constexpr = False):
-    """h[row] = clamped-SwiGLU(x[token] @ W1[e]^T + b1[e]); x and h are fp32 and nibble-major (`perm32`).
-    The tile's 2 * BLOCK_N W1 rows are adjacent (gate 2c, up 2c + 1). SPLIT > 1: fp32 partials, as the MMA kernel."""
-    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
-        tl.extra.cuda.gdc_wait()
-    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
-    n = 2 * tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-    w_rows = tl.multiple_of(wb_ptr + e.to(tl.int64) * stride_wbe + n.to(tl.int64) * stride_wbn, 16)  # 16-byte rows
-    s_rows = ws_ptr + e.to(tl.int64) * stride_wse + n.to(tl.int64) * stride_wsn
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    b_row = b1_ptr + e.to(tl.int64) * stride_be
-    k_begin = tl.program_id(2) * (k_chunk // BLOCK_K) * BLOCK_K  # (chunks are whole K-steps; this says so)
-    for row in range(first, end):
-        token = tl.load(order_ptr + row) // TOP_K
-        acc = _rows_dot(x_ptr + token * stride_xt, w_rows, s_rows, n < 2 * inter, k_begin,
-                        tl.minimum(k_begin + k_chunk, hidden), hidden, 2 * BLOCK_N, BLOCK_K, ASM)
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
-        if SPLIT == 1:
-            gate += tl.load(b_row + 2 * cols, mask=col_ok, other=0.0).to(tl.float32)
-            up += tl.load(b_row + 2 * cols + 1, mask=col_ok, other=0.0).to(tl.float32)
-            h = _swiglu(gate, up, alpha, limit)
-            tl.store(h_ptr + row * stride_ht + perm32(cols), h.to(h_ptr.dtype.element_ty), mask=col_ok)
-        else:
-            one = row + tl.arange(0, 1)  # this row as a 1-row tile, for the MMA kernels' partial store
-            _store_partial(gate[None, :], b_row + 2 * cols, part_ptr, stride_ps, stride_pr, one, one < end, 2 * cols,
-                           col_ok)
-            _store_partial(up[None, :], b_row + 2 * cols + 1, part_ptr, stride_ps, stride_pr, one, one < end,
-                           2 * cols + 1, col_ok)
-    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
-        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
-
-
-@triton.jit
-def moe_down_fma_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part_ptr, order_ptr, offsets_ptr,
-                        num_experts, hidden, inter, k_chunk,
-                        stride_ht, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be, stride_yt,
-                        stride_ps, stride_pr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, E_PAD: tl.constexpr,
-                        ASM: tl.constexpr = True, USE_PDL: tl.constexpr = False):
-    """y[pair] = gate * (h[row] @ W2[e]^T + b2[e]), stored token-major; h is the up kernel's (fp32, nibble-major)."""
-    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
-        tl.extra.cuda.gdc_wait()
-    e, first, end = _expert_rows(offsets_ptr, num_experts, BLOCK_M, ONE_TILE, E_PAD)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    w_rows = tl.multiple_of(wb_ptr + e.to(tl.int64) * stride_wbe + cols.to(tl.int64) * stride_wbn, 16)
-    s_rows = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
-    b_row = b2_ptr + e.to(tl.int64) * stride_be
-    k_begin = tl.program_id(2) * (k_chunk // BLOCK_K) * BLOCK_K
-    for row in range(first, end):
-        acc = _rows_dot(h_ptr + row * stride_ht, w_rows, s_rows, col_ok, k_begin,
-                        tl.minimum(k_begin + k_chunk, inter), inter, BLOCK_N, BLOCK_K, ASM)
-        if SPLIT == 1:
-            pair = tl.load(order_ptr + row)
-            y = (acc + tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)) * tl.load(gates_ptr + pair)
-            tl.store(y_ptr + pair * stride_yt + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
-        else:
-            one = row + tl.arange(0, 1)
-            _store_partial(acc[None, :], b_row + cols, part_ptr, stride_ps, stride_pr, one, one < end, cols, col_ok)
-    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
-        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
-
-
 _LHS_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -403,12 +240,11 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
                      dot_scaled: bool | None = None, split_k: int | None = None, reduce: bool = True,
-                     routing: Routing | None = None, tiles: MoeTiles | None = None) -> torch.Tensor:
+                     routing: Routing | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`peagle_kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
     otherwise; True/False force one (tests). `split_k`: None takes the tiles' (`MoeTiles.split_k`), a number
-    forces it. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`). `tiles`: launch shapes other
-    than `moe_tiles`' (tests, benchmarks)."""
+    forces it. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
@@ -425,7 +261,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     w2_blocks, w2_scales = _packed(w2_blocks, w2_scales)
     b1, b2 = b1.contiguous(), b2.contiguous()
 
-    r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing, tiles=tiles)
+    r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
     tiles = r.tiles if split_k is None else dataclasses.replace(r.tiles, split_k=split_k)
     rows = T * top_k
     split = tiles.split_k
@@ -438,36 +274,24 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     chunk = lambda k: triton.cdiv(triton.cdiv(k, tiles.block_k), split) * tiles.block_k  # noqa: E731
     common = dict(BLOCK_K=tiles.block_k, **r.kernel_args(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
                   **pdl_launch(x))
-    if tiles.fma:  # CUDA cores: codes read as int32 words; x and h in fp32, nibble-major (perm32)
-        w1_blocks, w2_blocks = w1_blocks.view(torch.int32).flatten(-2), w2_blocks.view(torch.int32).flatten(-2)
-        x = x.view(T, H // 32, 4, 8).transpose(2, 3).float().reshape(T, H)
-        h = torch.empty(rows, inter, device=x.device, dtype=torch.float32)  # expert-sorted rows
-        common.update(ASM=not interpret_mode())
-    else:
-        h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
-        common.update(DOT_SCALED=dot_scaled, LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"),
-                      DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32")
+    h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
+    common.update(DOT_SCALED=dot_scaled, LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"),
+                  DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32")
     up_grid = (r.m_tiles, triton.cdiv(inter, tiles.up_n), split)
     up_args = (x, w1_blocks, w1_scales, b1, h, part, r.order, r.offsets, E, H, inter, float(alpha), float(limit),
                chunk(H), x.stride(0), w1_blocks.stride(0), w1_blocks.stride(1), w1_scales.stride(0),
                w1_scales.stride(1), b1.stride(0), h.stride(0), part.stride(0), part.stride(1))
-    if tiles.fma:
-        moe_up_fma_kernel[up_grid](*up_args, SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n, **common)
-    else:
-        _moe_mxfp4_up_kernel[up_grid](*up_args, SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n, **common)
+    _moe_mxfp4_up_kernel[up_grid](*up_args, SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n, **common)
     if split > 1:
         _swiglu_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(inter, finish["BLOCK_C"]))](
             part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0),
-            PERM=tiles.fma, **finish)
+            **finish)
 
     down_grid = (r.m_tiles, triton.cdiv(H, tiles.down_n), split)
     down_args = (h, w2_blocks, w2_scales, b2, r.gates, y, part, r.order, r.offsets, E, H, inter, chunk(inter),
                  h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
                  b2.stride(0), y.stride(0), part.stride(0), part.stride(1))
-    if tiles.fma:
-        moe_down_fma_kernel[down_grid](*down_args, SPLIT=split, BLOCK_N=tiles.down_n, **common)
-    else:
-        _moe_mxfp4_down_kernel[down_grid](*down_args, SPLIT=split, BLOCK_N=tiles.down_n, **common)
+    _moe_mxfp4_down_kernel[down_grid](*down_args, SPLIT=split, BLOCK_N=tiles.down_n, **common)
     if split > 1:
         _scatter_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(H, finish["BLOCK_C"]))](
             part, r.gates, r.order, y, rows, H, part.stride(0), part.stride(1), y.stride(0), **finish)

@@ -292,7 +292,9 @@ def route_and_sort_pairs(x: torch.Tensor, router_w: torch.Tensor, router_b: torc
 
 def _tiles(T: int, E: int, top_k: int) -> tuple[int, int, int, int]:
     """(BLOCK_T, E_PAD, K_PAD, SORT_E_PAD) of the routing programs."""
-    block_t = max(16, triton.next_power_of_2(T)) if T <= ONE_PROGRAM_TOKENS else ONE_PROGRAM_TOKENS
+    # No padding rows: the one-launch path's last program runs top-k and the sort over BLOCK_T rows (at T = 1 a 16-row
+    # tile made its sort's one-hot 256 x 64 at E = 128 for 4 real pairs)
+    block_t = triton.next_power_of_2(T) if T <= ONE_PROGRAM_TOKENS else ONE_PROGRAM_TOKENS
     sort_e_pad = triton.next_power_of_2(E + 1)  # room for the padding sentinel
     return block_t, max(16, triton.next_power_of_2(E)), triton.next_power_of_2(top_k), sort_e_pad
 
@@ -371,8 +373,7 @@ def _launch_one(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor,
                 experts: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, meta: dict,
                 norm: tuple | None = None) -> None:
     """`_logits_route_kernel` over (expert blocks, hidden slices). The products tile is LOGIT_T * BLOCK_E by
-    BLOCK_H (LOGIT_T: T rounded up to a power of 2; BLOCK_T's 16 would only shrink BLOCK_H at T = 1): at
-    T = 1 a whole 2880-wide row of x and of w loads at once. `norm` = (residual, norm weight, normed out, new
+    BLOCK_H (LOGIT_T: T rounded up to a power of 2, as BLOCK_T here). `norm` = (residual, norm weight, normed out, new
     residual out, eps): x is the norm's input h and the norm rides along (`norm_route_and_sort_pairs`)."""
     T, H = x.shape
     E = router_w.shape[0]
