@@ -100,8 +100,9 @@ case "${1:-}" in
     ;;
   ab)  # one H200: a change's decode-step profile against an earlier commit's, in one call. BASE: that commit's code
        # (`git archive -o data/base.tgz REV kernels peagle_core ':(exclude)peagle_core/assets'`, carried); rounds of
-       # `profile_step.py --graphs-only --skip-draft $AB_ARGS` (e.g. "--shape 120b --mxfp4"), base then this tree, with the GPU tests of AB_TESTS between the
-       # first round and the rest; AB_VARIANTS: more runs of this tree, ';'-separated "name:env...:profile args"
+       # `profile_step.py --graphs-only --skip-draft $AB_ARGS` (e.g. "--shape 120b --mxfp4"), base then this tree,
+       # with the GPU tests of AB_TESTS between the first round and the rest; AB_VARIANTS: more runs of this tree,
+       # ';'-separated "name:env...:profile args"
        mkdir -p /tmp/base/benchmarks && tar xzf "${BASE:-data/base.tgz}" -C /tmp/base || exit 1
        cp benchmarks/profile_step.py /tmp/base/benchmarks/  # (the flags; it imports the code beside it)
        ab_profile() {  # ab_profile NAME DIR [ENV...] [-- ARGS...]
@@ -334,5 +335,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|moe-where|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|moe-where|spec-120b|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

@@ -26,8 +26,8 @@ from peagle_core.models.gpt_oss import MoE  # noqa: E402
 from peagle_core.timing import time_graph  # noqa: E402
 
 # MoeTiles fields: (block_m, up_n, down_n, block_k, num_warps, num_stages, split_k). The first of each list is what
-# `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second). docs/benchmarks/moe_tiles.md's tables come from these (`--max-t 64`, and
-# `--max-t 256` for the largest batches).
+# `moe_tiles` ships for 2-64 tokens (at one token it splits K in two: the second). docs/benchmarks/moe_tiles.md's
+# tables come from these (`--max-t 64`, and `--max-t 256` for the largest batches).
 MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 32, 32, 128, 2, 4, 4), (16, 32, 32, 128, 2, 4, 8),
          (16, 32, 32, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 1), (16, 64, 64, 128, 4, 4, 4), (16, 64, 64, 128, 4, 4, 8),
          (16, 32, 32, 64, 2, 4, 4), (16, 32, 32, 64, 2, 6, 8), (16, 16, 16, 128, 1, 4, 4), (16, 32, 32, 256, 2, 3, 4),
