@@ -1,4 +1,5 @@
-"""Where a bs-1 step's time goes on the GPU: kernel times from torch.profiler, 20B shape (or 120B), random weights.
+"""Where a step's time goes on the GPU (bs 1 unless --batch): kernel times from torch.profiler, 20B shape (or 120B),
+random weights.
 
     python benchmarks/profile_step.py --out "$OUT"        # one H200, about a minute
     python benchmarks/profile_step.py --pdl --out "$OUT"  # and the decode graph again with PEAGLE_PDL=1
@@ -61,19 +62,19 @@ def profile_calls(fn, dev: torch.device, steps: int) -> tuple[float, list[dict]]
 
 
 def profile_case(target, layout: Layout, k: int, graphs: bool, steps: int, seed: int, pdl: bool = False,
-                 runner_seqs: int = 1) -> dict:
+                 runner_seqs: int = 1, batch_size: int = 1) -> dict:
     dev, dt = next(target.parameters()).device, next(target.parameters()).dtype
     # PEAGLE_PDL=1 while a fresh runner is built, captured and run (the kernels read it at capture)
     with mock.patch.dict(os.environ, {"PEAGLE_PDL": "1"} if pdl else {}):
         pdl_used = use_pdl(torch.empty(0, device=dev))
-        runner = make_runner(target, None, "none", k, runner_seqs, layout, dev, dt, seed, graphs)
-        batch = synthetic_batch(1, k, layout, target.config.vocab_size, seed)
+        runner = make_runner(target, None, "none", k, max(runner_seqs, batch_size), layout, dev, dt, seed, graphs)
+        batch = synthetic_batch(batch_size, k, layout, target.config.vocab_size, seed)
         wall, table = profile_calls(lambda: runner.execute(batch), dev, steps)
         replay_ms = graph_replay_ms(runner, batch, dev) if graphs else None
         host = host_phases(runner, batch) if graphs and dev.type == "cuda" else None
     del runner
     release_caches(target)
-    nbytes = decode_step_bytes(target, layout.context, 1, tokens_per_req=1 + k).total
+    nbytes = decode_step_bytes(target, layout.context, batch_size, tokens_per_req=1 + k).total
     step = "decode" if k == 0 else f"verify k={k}"
     step += ", PDL" if pdl_used else ", PDL asked, unavailable" if pdl else ""
     return {"step": step, "k": k, "graphs": graphs, "pdl": pdl_used, "wall_ms": wall, "graph_replay_ms": replay_ms,
@@ -170,7 +171,7 @@ def profile_draft(target, drafter, layout: Layout, K: int, graphs: bool, steps: 
 
 
 def render(res: dict) -> str:
-    out = [f"# Step profile ({res['shape']} shape, bs 1, context {res['context']})", "",
+    out = [f"# Step profile ({res['shape']} shape, bs {res.get('batch', 1)}, context {res['context']})", "",
            f"Machine: {res['gpu']}; torch {res['torch']}; {res['date']}.", "", f"Command: `{res['command']}`", "",
            "Host us: a graphed step's host time before the graph's launch (the device idle), the launch, and after it "
            "(launching the LM head and sampling, then waiting for the device and the copy back), then parts: building "
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="also the decode step from graphs with PEAGLE_PDL=1 (programmatic dependent launch)")
     ap.add_argument("--runner-seqs", type=int, default=1,
                     help="the step runner's max_num_seqs (its graph buckets; `peagle bench` decodes with 64)")
+    ap.add_argument("--batch", type=int, default=1, help="requests in the profiled target steps (drafter cases: 1)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -226,15 +228,18 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target = build_random(lambda: GptOss(target_config(a.shape), mxfp4_experts=a.mxfp4), dev, dtype, 0)
     layout = Layout.for_run(a.context, 7, 1)
-    res = {"shape": a.shape + (" MXFP4" if a.mxfp4 else ""), "context": a.context, "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+    res = {"shape": a.shape + (" MXFP4" if a.mxfp4 else ""), "batch": a.batch, "context": a.context,
+           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "command": "python benchmarks/profile_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
     graph_modes = ((True,) if a.graphs_only else (True, False)) if dev.type == "cuda" else (False,)
-    cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k, runner_seqs=a.runner_seqs),
+    cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k, runner_seqs=a.runner_seqs,
+                                                    batch_size=a.batch),
               f"k={k} graphs={g}")
              for k in (0, 7) for g in graph_modes]
     if a.pdl:  # right after the decode step without it, so both are measured before anything can time out
-        cases.insert(1, (lambda: profile_case(target, layout, 0, graph_modes[0], a.steps, seed=1, pdl=True),
+        cases.insert(1, (lambda: profile_case(target, layout, 0, graph_modes[0], a.steps, seed=1, pdl=True,
+                                              batch_size=a.batch),
                          f"k=0 graphs={graph_modes[0]} pdl"))
     if not a.skip_draft:
         drafter = build_random(lambda: Drafter(drafter_config(target.config, parallel=True, layers=4)), dev, dtype, 7)

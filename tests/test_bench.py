@@ -292,3 +292,10 @@ def test_profile_script_smoke_run_on_cpu(tmp_path):
     assert res["cases"][2]["bytes"] > res["cases"][0]["bytes"] > 0  # a verify step reads more experts
     md = (tmp_path / "profile.md").read_text()
     assert "| verify k=7 | no |" in md and "| P-EAGLE draft K=7 | no |" in md
+    # --batch: the target steps of that many requests, which read more K/V (and touch more experts) than one
+    mod.main(["--shape", "tiny", "--context", "16", "--steps", "1", "--device", "cpu", "--skip-draft", "--batch", "3",
+              "--out", str(tmp_path / "b3")])
+    b3 = json.loads((tmp_path / "b3" / "profile.json").read_text())
+    assert b3["batch"] == 3 and "errors" not in b3
+    assert b3["cases"][0]["bytes"] > res["cases"][0]["bytes"]
+    assert (tmp_path / "b3" / "profile.md").read_text().startswith("# Step profile (tiny shape, bs 3,")
