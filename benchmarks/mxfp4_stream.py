@@ -5,10 +5,11 @@
 1. The layer (as `moe_tiles.py` builds it) at 1 and 8 tokens under torch.profiler: each kernel's device time
    (routing and sort, up, the split-K finish, down, ...), so the GEMVs are told apart from the small launches.
 2. The same experts' packed bytes (w1 and w2 codes plus scales, the bytes the layer must read) read by Triton
-   kernels that only add them up, two launches like the layer's:
-   - `flat`: each expert's slab streamed contiguously (what a tile-contiguous layout could give);
-   - `rows`: tiled as the MoE kernels read them, BLOCK_N rows of one expert, WORDS int32 words of each row a
-     K-step, K split over SPLIT programs (the MMA kernels: 64 rows of w1 (32 gate/up pairs), 32 of w2, 16 words).
+   kernels that only add them up:
+   - `flat`: each expert's slab streamed contiguously, one launch a tensor (what a tile-contiguous layout could give);
+   - `rows`: tiled as the MoE kernels read them, two launches like the layer's: BLOCK_N rows of one expert, WORDS
+     int32 words of each row a K-step (and its scale bytes), K split over SPLIT programs (the MMA kernels: 64 rows
+     of w1 (32 gate/up pairs), 32 of w2, 16 words).
    A kernel that reads with a pattern cannot beat that pattern's time here.
 Writes mxfp4_stream.json.
 """
