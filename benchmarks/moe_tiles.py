@@ -64,8 +64,7 @@ def main() -> None:
                 want = layer(x).float()
             nbytes = experts * expert_bytes
             for c in (candidates if T <= a.max_t else candidates[:1]):
-                tiles = tm.MoeTiles(*c)
-                tm.moe_tiles = lambda n, k, mxfp4=False, t=tiles: t if n <= a.max_t else shipped(n, k, mxfp4)
+                tm.moe_tiles = lambda n, k, mxfp4=False, c=c: tm.MoeTiles(*c) if n <= a.max_t else shipped(n, k, mxfp4)
                 try:
                     with torch.no_grad():
                         err = ((layer(x).float() - want).norm() / want.norm()).item()

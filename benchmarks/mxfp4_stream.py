@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from profile_step import profile_calls  # noqa: E402  (beside this script: the step profile's kernel table)
 from peagle_core.bench.models import build_random, target_config  # noqa: E402
 from peagle_core.models.gpt_oss import MoE  # noqa: E402
 from peagle_core.timing import time_graph  # noqa: E402
@@ -66,20 +66,6 @@ def _rows_sum(w_ptr, s_ptr, experts_ptr, out_ptr, n_rows, k_chunk, stride_we, st
     tl.store(out_ptr + flat, tl.sum(tl.sum(acc, 1), 0))
 
 
-def kernel_times(fn, steps: int = 20) -> list[dict]:
-    """Device microseconds per call of each kernel `fn` launches, largest first."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [{"kernel": e.key[:80], "calls": e.count / steps, "us": e.self_device_time_total / steps}
-            for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sorted(rows, key=lambda r: -r["us"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="120b")
@@ -96,9 +82,10 @@ def main() -> None:
     with torch.no_grad():
         for T in (1, 8):
             x = torch.randn(T, ex.w2_blocks.shape[1], device=dev, generator=g).bfloat16()
-            res["layer"][T] = {"us_graph": time_graph(lambda: layer(x), dev), "kernels": kernel_times(lambda: layer(x))}
+            res["layer"][T] = {"us_graph": time_graph(lambda: layer(x), dev),
+                               "kernels": profile_calls(lambda: layer(x), dev, steps=20)[1]}
             print(f"layer T={T}: {res['layer'][T]['us_graph']:.1f} us (graph); kernels: " + ", ".join(
-                f"{r['kernel'][:28]} {r['us']:.1f}" for r in res["layer"][T]["kernels"]), flush=True)
+                f"{r['kernel'][:28]} {r['us_per_step']:.1f}" for r in res["layer"][T]["kernels"]), flush=True)
 
     experts = torch.randperm(ex.w1_blocks.shape[0], device=dev)[:4].to(torch.int32)
     mats = [(ex.w1_blocks, ex.w1_scales), (ex.w2_blocks, ex.w2_scales)]

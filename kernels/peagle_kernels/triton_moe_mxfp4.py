@@ -32,8 +32,8 @@ import triton.language as tl
 
 from peagle_kernels.dispatch import pdl_launch
 from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
-from peagle_kernels.triton_moe import (_expert_rows, _swiglu, _swiglu_store, _weighted_store,
-                                       route_and_sort, token_outputs)
+from peagle_kernels.triton_moe import (_expert_rows, _swiglu, _swiglu_store, _weighted_store, route_and_sort,
+                                       token_outputs)
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
 DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
@@ -263,35 +263,34 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
 
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
     tiles = r.tiles if split_k is None else dataclasses.replace(r.tiles, split_k=split_k)
+    # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
+    common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
+                  LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
+
     rows = T * top_k
     split = tiles.split_k
+    h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
     y = torch.empty(rows, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
     # K split over `split` programs (decode sizes): fp32 partial sums, K-chunks whole BLOCK_K steps
     part = torch.empty(split, rows, max(2 * inter, H), device=x.device, dtype=torch.float32) if split > 1 else y
     finish = dict(BLOCK_R=min(16, triton.next_power_of_2(rows)), BLOCK_C=128, SPLIT=split, num_warps=4,
                   **pdl_launch(x))
-    # BLOCK_K (64 or more) is a power of two >= 32: whole MXFP4 blocks per K-step
     chunk = lambda k: triton.cdiv(triton.cdiv(k, tiles.block_k), split) * tiles.block_k  # noqa: E731
-    common = dict(BLOCK_K=tiles.block_k, **r.kernel_args(), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                  **pdl_launch(x))
-    h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
-    common.update(DOT_SCALED=dot_scaled, LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"),
-                  DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32")
-    up_grid = (r.m_tiles, triton.cdiv(inter, tiles.up_n), split)
-    up_args = (x, w1_blocks, w1_scales, b1, h, part, r.order, r.offsets, E, H, inter, float(alpha), float(limit),
-               chunk(H), x.stride(0), w1_blocks.stride(0), w1_blocks.stride(1), w1_scales.stride(0),
-               w1_scales.stride(1), b1.stride(0), h.stride(0), part.stride(0), part.stride(1))
-    _moe_mxfp4_up_kernel[up_grid](*up_args, SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n, **common)
+
+    _moe_mxfp4_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n), split)](
+        x, w1_blocks, w1_scales, b1, h, part, r.order, r.offsets, E, H, inter, float(alpha), float(limit), chunk(H),
+        x.stride(0), w1_blocks.stride(0), w1_blocks.stride(1), w1_scales.stride(0), w1_scales.stride(1),
+        b1.stride(0), h.stride(0), part.stride(0), part.stride(1), SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n,
+        **common)
     if split > 1:
         _swiglu_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(inter, finish["BLOCK_C"]))](
-            part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0),
-            **finish)
+            part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0), **finish)
 
-    down_grid = (r.m_tiles, triton.cdiv(H, tiles.down_n), split)
-    down_args = (h, w2_blocks, w2_scales, b2, r.gates, y, part, r.order, r.offsets, E, H, inter, chunk(inter),
-                 h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
-                 b2.stride(0), y.stride(0), part.stride(0), part.stride(1))
-    _moe_mxfp4_down_kernel[down_grid](*down_args, SPLIT=split, BLOCK_N=tiles.down_n, **common)
+    _moe_mxfp4_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n), split)](
+        h, w2_blocks, w2_scales, b2, r.gates, y, part, r.order, r.offsets, E, H, inter, chunk(inter),
+        h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
+        b2.stride(0), y.stride(0), part.stride(0), part.stride(1), SPLIT=split, BLOCK_N=tiles.down_n, **common)
     if split > 1:
         _scatter_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(H, finish["BLOCK_C"]))](
             part, r.gates, r.order, y, rows, H, part.stride(0), part.stride(1), y.stride(0), **finish)
