@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
            "bandwidth_tb_s": a.bandwidth_tb_s, "cases": []}
     graph_modes = ((True,) if a.graphs_only else (True, False)) if dev.type == "cuda" else (False,)
     cases = [(lambda k=k, g=g: profile_case(target, layout, k, g, a.steps, seed=1 + k, runner_seqs=a.runner_seqs,
-                                                    batch_size=a.batch),
+                                            batch_size=a.batch),
               f"k={k} graphs={g}")
              for k in (0, 7) for g in graph_modes]
     if a.pdl:  # right after the decode step without it, so both are measured before anything can time out

@@ -42,10 +42,10 @@ def compile_variant(kernel: str, const: dict, warps: int, stages: int):
 
     import peagle_kernels.triton_moe_mxfp4 as mx
 
-    sig, values = dict(COMMON), VALUES
+    sig = dict(COMMON)
     const = {**const, "SPLIT": 1, "TOP_K": 4, "ONE_TILE": True, "E_PAD": 128, "USE_PDL": False}
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
-             if sig[k].startswith("*") or values.get(k, 1) % 16 == 0}
+             if sig[k].startswith("*") or VALUES.get(k, 1) % 16 == 0}
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(getattr(mx, kernel), sig, const, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))

@@ -198,7 +198,7 @@ def test_bench_run_with_the_transformers_comparison(tmp_path):
 
 def test_packed_shape_full_depth_and_not_run(tmp_path):
     b = Bench(parse(["--shape", "tiny", "--device", "cpu", "--out", str(tmp_path), "--layers", "1"]),
-                    cli.resolve(parse(["--shape", "tiny", "--device", "cpu", "--max-k", "2"])), tmp_path)
+              cli.resolve(parse(["--shape", "tiny", "--device", "cpu", "--max-k", "2"])), tmp_path)
     b.summary["bandwidth"] = {"tb_s": 1.0}
     assert "at least 2 layers" in mxfp4.packed_decode(b, "tiny-120b")["not_run"]
     b.args.layers = 0
