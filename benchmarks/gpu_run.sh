@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_run.sh bench-first  # one H200: `peagle bench`, the step profile, then GPU tests in the time left
 #   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
+#   bash benchmarks/gpu_run.sh fp16-probe  # one GPU: the MXFP4 GEMV with codes re-encoded for a bit-mask FP4 -> fp16 expansion
 #   bash benchmarks/gpu_run.sh moe-where # one GPU: the 120B MXFP4 MoE layer's kernels, its bytes read by pattern, its step's kernels
 #   bash benchmarks/gpu_run.sh spec-120b # one GPU: speculation at the 120B MXFP4 shape (replayed acceptance), per-user tok/s
 #   bash benchmarks/gpu_run.sh prefix-ttft  # one GPU: TTFT with a shared 2,048-token prefix, prefix cache on / off
@@ -148,6 +149,9 @@ case "${1:-}" in
       > /tmp/bench.log 2>&1; tail -n 24 /tmp/bench.log
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 256 --layers 120b-mxfp4,20b-mxfp4 \
       > /tmp/moe_tiles.log 2>&1; tail -n 16 /tmp/moe_tiles.log
+    ;;
+  fp16-probe)  # one GPU: the re-encoded MXFP4 GEMV (FP4 -> fp16 by bit masks) against the layer's own kernels
+    timeout 300 python3 benchmarks/mxfp4_fp16_probe.py --out "$OUT" > "$OUT/probe.log" 2>&1; tail -n 30 "$OUT/probe.log"
     ;;
   moe-where)  # one GPU: where the 120B MXFP4 MoE layer's time goes (its kernels), its bytes read by access pattern
               # (benchmarks/mxfp4_stream.py), wider K-steps, then the 120B MXFP4 step's kernels (with and without PDL)
@@ -335,5 +339,5 @@ case "${1:-}" in
         --max-len 896 --lr 1e-3 --intermediate-size 768 --share-target-embeddings --out /tmp/head_$1 2>&1 | tail -n 4
     done
     ;;
-  *) echo "usage: $0 bench|moe-tiles|moe-where|spec-120b|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|moe-tiles|moe-where|fp16-probe|spec-120b|pair-tp|tp-sweep|tp-graphs|tp-allreduce|tp-paths|pair-heads|peagle-layers|pair-finetune|adaptive|adaptive-x2|adaptive-tiny|train-profile|train-speed" >&2; exit 2 ;;
 esac

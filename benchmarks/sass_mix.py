@@ -6,6 +6,8 @@ Compiles `_moe_mxfp4_up_kernel` (MMA tiles, `tl.dot_scaled`) as the launcher wou
 (Triton's own ptxas and cuobjdump, `GPUTarget("cuda", 90)`), finds the kernel's innermost loop in the SASS and counts
 its instructions by opcode, per weight a thread handles in one K-step: the FP4 expansion into the MMA's operand
 layout, not the MMA, is most of it (`docs/benchmarks/moe_tiles.md`). Writes sass_mix.json (and the SASS) to --out.
+Run it with the GPU machines' Triton (3.6) for their figure: the wheel installed to a side directory and put first
+on PYTHONPATH (`pip install --no-deps --target /tmp/t36 triton==3.6.0`, then `PYTHONPATH=/tmp/t36 python ...`).
 """
 from __future__ import annotations
 
@@ -75,9 +77,10 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/sass_mix")
     out = Path(ap.parse_args().out)
     out.mkdir(parents=True, exist_ok=True)
+    import triton
     from triton.tools.disasm import get_sass
 
-    result = {}
+    result = {"triton": triton.__version__}  # the SASS differs by Triton version: the GPU machines run 3.6
     for name, (kernel, const, weights, warps, stages) in VARIANTS.items():
         ck = compile_variant(kernel, const, warps, stages)
         sass = get_sass(ck.asm["cubin"])
