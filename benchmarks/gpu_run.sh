@@ -150,8 +150,10 @@ case "${1:-}" in
     timeout "${MOE_TIMEOUT:-150}" python3 benchmarks/moe_tiles.py --out "$OUT" --max-t 256 --layers 120b-mxfp4,20b-mxfp4 \
       > /tmp/moe_tiles.log 2>&1; tail -n 16 /tmp/moe_tiles.log
     ;;
-  fp16-probe)  # one GPU: the re-encoded MXFP4 GEMV (FP4 -> fp16 by bit masks) against the layer's own kernels
-    timeout 300 python3 benchmarks/mxfp4_fp16_probe.py --out "$OUT" > "$OUT/probe.log" 2>&1; tail -n 30 "$OUT/probe.log"
+  fp16-probe)  # one GPU: the re-encoded MXFP4 GEMV (FP4 -> fp16 by bit masks) against the layer's own kernels;
+               # BASE_KERNEL: an earlier triton_moe_mxfp4.py whose layer is timed beside this tree's (carry it)
+    timeout 300 python3 benchmarks/mxfp4_fp16_probe.py --out "$OUT" ${BASE_KERNEL:+--base "$BASE_KERNEL"} \
+      > "$OUT/probe.log" 2>&1; grep -v "^{" "$OUT/probe.log" | tail -n 60
     ;;
   moe-where)  # one GPU: where the 120B MXFP4 MoE layer's time goes (its kernels), its bytes read by access pattern
               # (benchmarks/mxfp4_stream.py), wider K-steps, then the 120B MXFP4 step's kernels (with and without PDL)

@@ -186,10 +186,49 @@ def check() -> None:
     print("encode/decode: every code of 3 x 5 x 7 blocks round-trips exactly")
 
 
+def layer_ab(layer, base_file: str, res: dict, dev: torch.device) -> None:
+    """The whole MoE layer at 1 and 8 tokens: `base_file`'s kernels against this tree's, with the scales as loaded
+    (rows of K/32 bytes) and with their rows padded to a multiple of 16 bytes. Three interleaved rounds."""
+    import importlib.util
+
+    import peagle_kernels.triton_moe_mxfp4 as cur
+    from peagle_core.timing import time_graph
+
+    spec = importlib.util.spec_from_file_location("mxfp4_base", base_file)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    ex = layer.experts
+
+    def padded(s: torch.Tensor) -> torch.Tensor:
+        wide = torch.full((*s.shape[:-1], (s.shape[-1] + 15) // 16 * 16), 127, dtype=s.dtype, device=s.device)
+        wide[..., :s.shape[-1]] = s
+        return wide[..., :s.shape[-1]]
+
+    scales = {"rows": (ex.w1_scales, ex.w2_scales), "padded": (padded(ex.w1_scales), padded(ex.w2_scales))}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    res["layer_ab"] = []
+    for T in (1, 8):
+        x = torch.randn(T, ex.w2_blocks.shape[1], device=dev, generator=g).bfloat16()
+        want = None
+        for rnd in range(3):
+            for impl, fn in (("base", base.moe_mxfp4_triton), ("tree", cur.moe_mxfp4_triton)):
+                for lay, (s1, s2) in scales.items():
+                    def call(fn=fn, s1=s1, s2=s2):
+                        return fn(x, layer.router.weight, layer.router.bias, ex.w1_blocks, s1, ex.b1, ex.w2_blocks,
+                                  s2, ex.b2, layer.top_k, layer.alpha, layer.limit)
+                    y = call().float()
+                    want = y if want is None else want
+                    row = {"T": T, "round": rnd, "kernels": impl, "scales": lay, "us": time_graph(call, dev),
+                           "rel_diff_vs_first": ((y - want).norm() / want.norm()).item()}
+                    res["layer_ab"].append(row)
+                    print(row, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--base", help="an earlier triton_moe_mxfp4.py: its layer kernels timed beside this tree's")
     a = ap.parse_args()
     check()
     if a.check:
@@ -213,11 +252,10 @@ def main() -> None:
     mats = {"up": (ex.w1_blocks[chosen], ex.w1_scales[chosen]), "down": (ex.w2_blocks[chosen], ex.w2_scales[chosen])}
     enc = {k: (encode(b).contiguous(), s.contiguous()) for k, (b, s) in mats.items()}
     scales_t = {k: s.transpose(1, 2).contiguous() for k, (_, s) in mats.items()}  # [E, K/32, N]: block-major
-    configs = [(32, 2, 4, 3, 2), (64, 2, 4, 3, 2), (32, 2, 3, 5, 1), (32, 2, 6, 1, 2), (32, 2, 8, 1, 1),
-               (64, 2, 6, 1, 2)]
+    configs = [(32, 2, 4, 3, 2), (32, 2, 3, 5, 1), (32, 2, 6, 1, 2)]
     # (MODE, block-major scales, k-major padded activations, scales one step ahead (one block a step only))
     variants = [(0, False, False, False), (0, True, False, False), (0, False, True, False), (0, True, True, False),
-                (0, False, False, True), (0, False, True, True), (5, False, False, False), (4, False, False, False)]
+                (0, False, False, True), (0, False, True, True), (5, False, False, False)]
 
     def k_major(x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [K, 16] fp16, zeros past T
         xt = torch.zeros(x.shape[1], 16, device=x.device, dtype=torch.float16)
@@ -243,9 +281,12 @@ def main() -> None:
                         row[f"{name}_rel_err_prefetch"] = ((got - want).norm() / want.norm()).item()
                 res["correct"].append(row)
                 print(row, flush=True)
+        if a.base:
+            layer_ab(layer, a.base, res, dev)
+            (out / "mxfp4_fp16_probe.json").write_text(json.dumps(res, indent=1))  # in case the call runs out
         x = torch.randn(1, ex.w2_blocks.shape[1], device=dev, generator=g).bfloat16()
         x16, x16t = x.half(), k_major(x)
-        for rnd in range(3):  # interleaved rounds: the baseline layer, then every config and ablation
+        for rnd in range(2):  # interleaved rounds: the baseline layer, then every config and ablation
             kern = profile_calls(lambda: layer(x), dev, steps=20)[1]
             res["baseline"].append({"round": rnd, "layer_us": time_graph(lambda: layer(x), dev), "kernels": kern})
             print(f"baseline round {rnd}: layer {res['baseline'][-1]['layer_us']:.1f} us; " + ", ".join(
@@ -267,9 +308,13 @@ def main() -> None:
                         row[f"{name}_us"] = time_graph(call, dev) / len(sets)
                     res["ablation"].append(row)
                     print(row, flush=True)
+            (out / "mxfp4_fp16_probe.json").write_text(json.dumps(res, indent=1))
     (out / "mxfp4_fp16_probe.json").write_text(json.dumps(res, indent=1))
     base = sorted(r["layer_us"] for r in res["baseline"])
     print(f"layer, median of rounds: {base[len(base) // 2]:.1f} us")
+    for key in sorted({(r["T"], r["kernels"], r["scales"]) for r in res.get("layer_ab", [])}):
+        us = sorted(r["us"] for r in res["layer_ab"] if (r["T"], r["kernels"], r["scales"]) == key)
+        print(f"layer A/B {key}: {us[len(us) // 2]:.1f} us (median of {len(us)}; {us[0]:.1f}-{us[-1]:.1f})")
     for key in sorted({(r["bn"], r["warps"], r["stages"], r["nsub"], r["split"], r["mode"]) for r in res["ablation"]},
                       key=lambda k: (k[:5], k[5])):
         rows = [r for r in res["ablation"] if (r["bn"], r["warps"], r["stages"], r["nsub"], r["split"], r["mode"]) == key]
