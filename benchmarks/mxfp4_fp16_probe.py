@@ -1,6 +1,6 @@
 """Probe: an MXFP4 expert GEMV whose codes are re-encoded at load so that the FP4 -> fp16 expansion is bit masks.
 
-    python benchmarks/mxfp4_fp16_probe.py --out "$OUT"      # one GPU, about two minutes
+    python benchmarks/mxfp4_fp16_probe.py --out "$OUT" [--base OLD_triton_moe_mxfp4.py]   # one GPU, about a minute
     python benchmarks/mxfp4_fp16_probe.py --check           # CPU: the encoding against the decode's bit operations
 
 Today's MoE kernels expand FP4 through `tl.dot_scaled`, whose Hopper lowering spends ~7.7 instructions a weight in
@@ -15,9 +15,14 @@ asks whether a cheaper expansion moves the GEMV, before the MoE kernels change:
   side and the tokens (16 slots) on N; the block's scale, times 2^14, multiplies the fp32 partial sum.
 - Activations are fp16 (converted once, outside the loop).
 
-It times the up (w1, 5760 x 2880) and down (w2, 2880 x 2880) GEMVs of four experts at the 120B shape against the
-layer's own kernels on the same card (torch.profiler, as `mxfp4_stream.py`), after checking every config's output
-against a dequantised fp32 product. Writes mxfp4_fp16_probe.json.
+It checks every launch shape's output against a dequantised fp32 product. Then it times the up (w1, 5760 x 2880)
+and down (w2, 2880 x 2880) GEMVs at the 120B shape: four sets of four experts in turn, so the bytes overflow L2.
+- Ablations (`MODE`) each remove one part of the K-loop's work, to see what holds it.
+- Layout variants try block-major scales, k-major activations and scales loaded a step ahead.
+- The layer's own kernels are profiled in the same rounds.
+- With --base, the whole layer with an earlier kernel file is timed beside this tree's, with scale rows as loaded
+  and padded to 16 bytes.
+Writes mxfp4_fp16_probe.json. Findings: `docs/benchmarks/moe_tiles.md`.
 """
 from __future__ import annotations
 

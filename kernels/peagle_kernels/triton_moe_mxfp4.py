@@ -69,21 +69,15 @@ def _unpack_mxfp4(codes, scales, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _mxfp4_step(acc, a, w_rows, s_rows, n_ok, k0, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr, MASK_K: tl.constexpr):
-    """acc [BM, BN] += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile; k0 is a multiple
-    of BLOCK_K, and MASK_K = False promises k0 + BLOCK_K <= K (no K masks, so the scale bytes of a step can be one
-    aligned load where the rows' stride allows).
+                DOT_SCALED: tl.constexpr, LHS_FMT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc [BM, BN] += a [BM, BLOCK_K] @ W[n, k0:k0 + BLOCK_K]^T for the packed rows n of this tile.
 
     w_rows [BN]: pointers to each row's code bytes (K/2 a row); s_rows [BN]: to its scales (K/32)."""
-    kb = (k0 // BLOCK_K) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    sb = (k0 // BLOCK_K) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-    if MASK_K:
-        codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
-        # Masked (past-K or past-N) codes are 0, so their value is 0 whatever the scale: 127 = 2^0 keeps it finite.
-        scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None] & (sb < K // 32)[None, :], other=127)
-    else:
-        codes = tl.load(w_rows[None, :] + kb[:, None], mask=n_ok[None, :], other=0)
-        scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None], other=127)
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    codes = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
+    sb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    # Masked (past-K or past-N) codes are 0, so their value is 0 whatever the scale: 127 = 2^0 keeps it finite.
+    scales = tl.load(s_rows[:, None] + sb[None, :], mask=n_ok[:, None] & (sb < K // 32)[None, :], other=127)
     if DOT_SCALED:
         acc = tl.dot_scaled(a, None, LHS_FMT, codes, scales, "e2m1", acc)
     else:
@@ -121,21 +115,12 @@ def _moe_mxfp4_up_kernel(x_ptr, wb_ptr, ws_ptr, b1_ptr, h_ptr, part_ptr, order_p
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = tl.program_id(2) * k_chunk
-    k_end = tl.minimum(k_begin + k_chunk, hidden)
-    k_whole = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K  # whole steps unmasked, then at most one masked
-    for k0 in range(k_begin, k_whole, BLOCK_K):
-        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, hidden), BLOCK_K):
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < hidden)[None, :], other=0.0)
         acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k0, hidden, BLOCK_K, BLOCK_N,
-                               DOT_SCALED, LHS_FMT, DOT_PREC, False)
+                               DOT_SCALED, LHS_FMT, DOT_PREC)
         acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k0, hidden, BLOCK_K,
-                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC, False)
-    if k_whole < k_end:
-        a = tl.load(x_rows + (k_whole + ks)[None, :], mask=row_ok[:, None] & (k_whole + ks < hidden)[None, :],
-                    other=0.0)
-        acc_gate = _mxfp4_step(acc_gate, a, gate_b, gate_s, col_ok, k_whole, hidden, BLOCK_K, BLOCK_N,
-                               DOT_SCALED, LHS_FMT, DOT_PREC, True)
-        acc_up = _mxfp4_step(acc_up, a, gate_b + stride_wbn, gate_s + stride_wsn, col_ok, k_whole, hidden, BLOCK_K,
-                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC, True)
+                             BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     b_row = b1_ptr + e.to(tl.int64) * stride_be
     if SPLIT == 1:
         _swiglu_store(acc_gate, acc_up, b_row, h_ptr, stride_ht, rows, row_ok, cols, col_ok, alpha, limit)
@@ -173,15 +158,9 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part
     w_s = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = tl.program_id(2) * k_chunk
-    k_end = tl.minimum(k_begin + k_chunk, inter)
-    k_whole = k_begin + (k_end - k_begin) // BLOCK_K * BLOCK_K  # as in the up kernel
-    for k0 in range(k_begin, k_whole, BLOCK_K):
-        a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None], other=0.0)
-        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC, False)
-    if k_whole < k_end:
-        a = tl.load(h_rows + (k_whole + ks)[None, :], mask=row_ok[:, None] & (k_whole + ks < inter)[None, :], other=0.0)
-        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k_whole, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC,
-                          True)
+    for k0 in range(k_begin, tl.minimum(k_begin + k_chunk, inter), BLOCK_K):
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & (k0 + ks < inter)[None, :], other=0.0)
+        acc = _mxfp4_step(acc, a, w_b, w_s, col_ok, k0, inter, BLOCK_K, BLOCK_N, DOT_SCALED, LHS_FMT, DOT_PREC)
     b_row = b2_ptr + e.to(tl.int64) * stride_be
     if SPLIT == 1:
         _weighted_store(acc, b_row, gates_ptr, y_ptr, stride_yt, pair, row_ok, cols, col_ok)
