@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_run.sh mxfp4     # one GPU: MXFP4 GPU tests, `peagle bench` (20B and 120B MXFP4), MoE tiles
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
 #   bash benchmarks/gpu_run.sh fp16-probe  # one GPU: the MXFP4 GEMV with codes re-encoded for a bit-mask FP4 -> fp16 expansion
+#   bash benchmarks/gpu_run.sh gemv      # one GPU: the CUDA-core MXFP4 GEMVs against the MMA kernels, layer and 120B step
 #   bash benchmarks/gpu_run.sh moe-where # one GPU: the 120B MXFP4 MoE layer's kernels, its bytes read by pattern, its step's kernels
 #   bash benchmarks/gpu_run.sh spec-120b # one GPU: speculation at the 120B MXFP4 shape (replayed acceptance), per-user tok/s
 #   bash benchmarks/gpu_run.sh prefix-ttft  # one GPU: TTFT with a shared 2,048-token prefix, prefix cache on / off
@@ -154,6 +155,18 @@ case "${1:-}" in
                # BASE_KERNEL: an earlier triton_moe_mxfp4.py whose layer is timed beside this tree's (carry it)
     timeout 300 python3 benchmarks/mxfp4_fp16_probe.py --out "$OUT" ${BASE_KERNEL:+--base "$BASE_KERNEL"} \
       > "$OUT/probe.log" 2>&1; grep -v "^{" "$OUT/probe.log" | tail -n 60
+    ;;
+  gemv)  # one GPU: the CUDA-core MXFP4 GEMV kernels (PEAGLE_MXFP4_DECODE=gemv) against the MMA kernels: the MoE
+         # layer by launch shape at 1-16 tokens (120B and 20B), the 120B decode and verify steps' kernels with the
+         # GEMVs and then with the MMA kernels, then the MXFP4 GPU tests in the time left
+    timeout "${MOE_TIMEOUT:-170}" python3 benchmarks/moe_tiles.py --out "$OUT/tiles" --max-t 16 --tokens 1,2,4,8,16 \
+      --layers "${GEMV_LAYERS:-120b-gemv,20b-gemv}" > "$OUT/tiles.log" 2>&1; grep -v "^{" "$OUT/tiles.log" | tail -n 40
+    for mode in ${GEMV_MODES:-gemv mma}; do
+      PEAGLE_MXFP4_DECODE=$mode timeout "${PROFILE_TIMEOUT:-140}" python3 benchmarks/profile_step.py --shape 120b --mxfp4 \
+        --graphs-only --skip-draft --bandwidth-tb-s 3.1 --out "$OUT/profile_$mode" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 3
+    done
+    timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py \
+      2>&1 | tail -n 5
     ;;
   moe-where)  # one GPU: where the 120B MXFP4 MoE layer's time goes (its kernels), its bytes read by access pattern
               # (benchmarks/mxfp4_stream.py), wider K-steps, then the 120B MXFP4 step's kernels (with and without PDL)

@@ -22,32 +22,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 H = I = 2880  # GPT-OSS's hidden and intermediate sizes; 120B's E = 128 experts, k = 4
-COMMON = dict(x_ptr="*bf16", wb_ptr="*u8", ws_ptr="*u8", b1_ptr="*bf16", h_ptr="*bf16", part_ptr="*fp32",
-              order_ptr="*i32", offsets_ptr="*i32", num_experts="i32", hidden="i32", inter="i32", alpha="fp32",
-              limit="fp32", k_chunk="i32", stride_xt="i32", stride_wbe="i32", stride_wbn="i32", stride_wse="i32",
-              stride_wsn="i32", stride_be="i32", stride_ht="i32", stride_ps="i32", stride_pr="i32")
+MMA_SIG = dict(x_ptr="*bf16", wb_ptr="*u8", ws_ptr="*u8", b1_ptr="*bf16", h_ptr="*bf16", part_ptr="*fp32",
+               order_ptr="*i32", offsets_ptr="*i32", num_experts="i32", hidden="i32", inter="i32", alpha="fp32",
+               limit="fp32", k_chunk="i32", stride_xt="i32", stride_wbe="i32", stride_wbn="i32", stride_wse="i32",
+               stride_wsn="i32", stride_be="i32", stride_ht="i32", stride_ps="i32", stride_pr="i32")
 # What the launcher sees at this shape: every pointer 16-byte aligned; integers divisible by 16 where they are.
-VALUES = dict(hidden=H, inter=I, k_chunk=H // 2, stride_xt=H, stride_wbe=2 * I * H // 2, stride_wbn=H // 2,
-              stride_wse=2 * I * H // 32, stride_wsn=H // 32, stride_be=2 * I, stride_ht=I, stride_ps=4 * 2 * I,
-              stride_pr=2 * I)
-VARIANTS = {  # name: (kernel, constexprs, weights a thread handles a K-step, num_warps, stages)
+MMA_VALUES = dict(hidden=H, inter=I, k_chunk=H // 2, stride_xt=H, stride_wbe=2 * I * H // 2, stride_wbn=H // 2,
+                  stride_wse=2 * I * H // 32, stride_wsn=H // 32, stride_be=2 * I, stride_ht=I, stride_ps=4 * 2 * I,
+                  stride_pr=2 * I)
+GEMV_SIG = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16", part_ptr="*fp32", order_ptr="*i32",
+                offsets_ptr="*i32", num_experts="i32", N="i32", K="i32", n_chunk="i32", stride_xt="i32",
+                stride_we="i32", stride_wn="i32", stride_se="i32", stride_sn="i32", stride_be="i32", stride_ps="i32",
+                stride_pr="i32")
+GEMV_VALUES = dict(N=2 * I, K=H, n_chunk=64, stride_xt=H, stride_we=2 * I * H // 32, stride_wn=H // 32,
+                   stride_se=2 * I * H // 32, stride_sn=H // 32, stride_be=2 * I, stride_ps=4 * 2 * I, stride_pr=2 * I)
+MMA_CONST = dict(SPLIT=1, TOP_K=4, ONE_TILE=True, E_PAD=128, USE_PDL=False)
+VARIANTS = {  # name: (kernel, signature, values, constexprs, weights a thread handles a loop step, num_warps, stages)
     "mma (tl.dot_scaled, 16x32x128 tiles, 2 warps)": (
-        "_moe_mxfp4_up_kernel", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_SCALED=True, LHS_FMT="bf16",
-                                 DOT_PREC="tf32"), 2 * 32 * 128 // 64, 2, 4),
+        "_moe_mxfp4_up_kernel", MMA_SIG, MMA_VALUES,
+        dict(MMA_CONST, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_SCALED=True, LHS_FMT="bf16", DOT_PREC="tf32"),
+        2 * 32 * 128 // 64, 2, 4),
+    "gemv (CUDA cores, 8 rows x 32 blocks a step, 2 warps)": (
+        "_mxfp4_gemv_kernel", GEMV_SIG, GEMV_VALUES,
+        dict(GATHER=True, TOP_K=4, ROWS=8, E_PAD=128, USE_PDL=False),
+        8 * 32 * 32 // 64, 2, 1),
 }
 
 
-def compile_variant(kernel: str, const: dict, warps: int, stages: int):
+def compile_variant(kernel: str, sig: dict, values: dict, const: dict, warps: int, stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     import peagle_kernels.triton_moe_mxfp4 as mx
 
-    sig = dict(COMMON)
-    const = {**const, "SPLIT": 1, "TOP_K": 4, "ONE_TILE": True, "E_PAD": 128, "USE_PDL": False}
+    sig = dict(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig)
-             if sig[k].startswith("*") or VALUES.get(k, 1) % 16 == 0}
+             if sig[k].startswith("*") or values.get(k, 1) % 16 == 0}
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(getattr(mx, kernel), sig, const, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -81,8 +92,8 @@ def main() -> None:
     from triton.tools.disasm import get_sass
 
     result = {"triton": triton.__version__}  # the SASS differs by Triton version: the GPU machines run 3.6
-    for name, (kernel, const, weights, warps, stages) in VARIANTS.items():
-        ck = compile_variant(kernel, const, warps, stages)
+    for name, (kernel, sig, values, const, weights, warps, stages) in VARIANTS.items():
+        ck = compile_variant(kernel, sig, values, const, warps, stages)
         sass = get_sass(ck.asm["cubin"])
         (out / f"{kernel}.sass").write_text(sass)
         ops = innermost_loop(sass)

@@ -133,6 +133,53 @@ def test_moe_mxfp4_summands_sum_to_the_reduced_output(mx, dtype, T):
     assert ref.shape == (T, 1, 64) and torch.equal(ref[:, 0], moe_mxfp4_ref(**p, top_k=4, alpha=ALPHA, limit=7.0))
 
 
+GEMV_CASES = [  # (T, H, I, E, top_k, limit, hot_expert)
+    pytest.param(1, 64, 32, 8, 4, 7.0, None, id="decode-T1"),
+    pytest.param(3, 96, 96, 5, 2, 1.0, None, id="T3-clamped"),
+    pytest.param(5, 64, 96, 8, 2, 7.0, 2, id="T5-one-hot-expert"),
+    pytest.param(2, 1056, 64, 4, 2, 7.0, None, id="two-K-chunks"),  # 33 blocks: a chunk of 32 and one of 1
+]
+
+
+@pytest.mark.parametrize("T,H,I,E,top_k,limit,hot", GEMV_CASES)
+def test_gemv_matches_reference(mx, T, H, I, E, top_k, limit, hot):
+    """The CUDA-core GEMV kernels (one sorted row a program, K in chunks of 32 blocks, activations held in
+    registers): the reference's function, on ragged routings (an expert with every token, experts with none) and K
+    over more than one chunk. The summands add up to the output bit for bit."""
+    p = make_packed(T, H, I, E, seed=T + 11, hot_expert=hot)
+    ref = moe_mxfp4_ref(**p, top_k=top_k, alpha=ALPHA, limit=limit)
+    out = mx.moe_mxfp4_triton(**p, top_k=top_k, alpha=ALPHA, limit=limit, gemv=True)
+    assert ref.abs().max() > 1.0
+    torch.testing.assert_close(out, ref, **TOL)
+    summands = mx.moe_mxfp4_triton(**p, top_k=top_k, alpha=ALPHA, limit=limit, gemv=True, reduce=False)
+    assert torch.equal(summands.sum(1), out)
+
+
+def test_gemv_fp4_pairs_are_bit_exact(mx):
+    """`_fp4_pair` on every code in every nibble of a word gives its E2M1 value times 2^-14 exactly (the block's
+    scale, times 2^14, is applied to the block's sum)."""
+    import triton
+    import triton.language as tl
+
+    global _MX
+    _MX = mx
+
+    @triton.jit
+    def pairs(words_ptr, out_ptr):
+        w = tl.load(words_ptr + tl.arange(0, 16))[None, :]  # [1, 16]
+        for i in tl.static_range(4):
+            lo, hi = _MX._fp4_pair(w, i)
+            tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i, lo)
+            tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i + 4, hi)
+
+    blocks = (torch.arange(64) * 37 % 256).to(torch.uint8).view(4, 16)  # every code in both nibbles of a byte
+    out = torch.empty(16, 8)
+    pairs[(1,)](blocks.view(torch.int32).flatten(), out)
+    want = dequantize(blocks.view(1, 4, 16), torch.full((1, 4), 127, dtype=torch.uint8)).view(16, 8)
+    assert torch.equal(out * 2.0 ** 14, want)
+    assert set(FP4_VALUES) <= set(want.flatten().tolist())
+
+
 def fp32_oracle(p: dict, top_k: int) -> torch.Tensor:
     """fp32 math on the same (half-precision) inputs, with the routing the half-precision run takes
     (near-ties in the router logits may pick other experts in fp32)."""
@@ -222,10 +269,24 @@ def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled, split_k):
 
 
 @pytest.mark.gpu
-def test_moe_mxfp4_cuda_graph_capture(mx_cuda, pdl):
-    """No host sync: the packed MoE captures into a CUDA graph and replays exactly."""
+@pytest.mark.parametrize("T", [1, 4, 16, 37])
+def test_gemv_bf16_cuda(mx_cuda, T):
+    """The CUDA-core GEMV kernels at the GPT-OSS layer shape (90 blocks: chunks of 32, 32 and 26), compiled."""
+    p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
+    out = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, gemv=True)
+    ref = fp32_oracle(p, 4)
+    torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
+    mma = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, gemv=False)
+    assert ((out.float() - mma.float()).norm() / mma.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemv", [False, True])
+def test_moe_mxfp4_cuda_graph_capture(mx_cuda, pdl, gemv):
+    """No host sync: the packed MoE (MMA or GEMV kernels) captures into a CUDA graph and replays exactly."""
     p = {k: v.cuda() for k, v in make_packed(2, 256, 128, 16, dtype=torch.bfloat16).items()}
-    assert_graph_replays_exactly(lambda: moe_mxfp4(**p, top_k=4, alpha=ALPHA, limit=7.0), p["x"])
+    assert_graph_replays_exactly(lambda: mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, gemv=gemv),
+                                 p["x"])
 
 
 # --------------------------------------------------------------------------------------------

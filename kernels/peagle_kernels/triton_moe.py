@@ -24,6 +24,7 @@ which 28 only find their expert empty (2,520 of the up-projection's 2,880 progra
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -196,6 +197,11 @@ def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch
     return order.to(torch.int32), offsets.to(torch.int32)
 
 
+# MXFP4 decode: "mma" (the tensor-core kernels) or "gemv" (`_mxfp4_gemv_kernel` through GEMV_MAX_TOKENS tokens)
+MXFP4_DECODE = os.environ.get("PEAGLE_MXFP4_DECODE", "mma")
+GEMV_MAX_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class MoeTiles:
     """Launch shapes, chosen from the batch size alone (so fixed per captured CUDA graph).
@@ -211,9 +217,14 @@ class MoeTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1  # MXFP4 at decode sizes: K split over this many programs (triton_moe_mxfp4)
+    gemv_rows: int = 0  # MXFP4: > 0 runs the CUDA-core GEMV kernels, this many weight rows a loop step (up_n and
+    # down_n are then the rows a program covers; K is cut in chunks of 32 blocks)
 
 
-def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
+def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False, gemv: bool | None = None) -> MoeTiles:
+    """`gemv` (MXFP4 only): None follows PEAGLE_MXFP4_DECODE through GEMV_MAX_TOKENS tokens; True/False force."""
+    if mxfp4 and (gemv or gemv is None and num_tokens <= GEMV_MAX_TOKENS and MXFP4_DECODE == "gemv"):
+        return gemv_tiles(num_tokens)
     if mxfp4 and num_tokens <= 64:
         # Packed experts, measured on an H100 at the 120B and 20B shapes (docs/benchmarks/moe_tiles.md): two warps
         # and 32-wide N tiles through 64 tokens (1.36-1.47x the grouped tiles below at 64), K split in two at one
@@ -226,6 +237,11 @@ def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False) -> MoeTiles:
     if num_tokens * top_k <= 4096:
         return MoeTiles(64, 64, 128, 64, 4, 3)
     return MoeTiles(128, 64, 128, 64, 8, 3)
+
+
+def gemv_tiles(num_tokens: int) -> MoeTiles:
+    """MXFP4 experts as CUDA-core GEMVs: one sorted row an M-tile, 64 weight rows a program, 8 a loop step."""
+    return MoeTiles(1, 64, 64, 32 * 32, 2, 1, gemv_rows=8)
 
 
 @dataclass(frozen=True)
@@ -310,5 +326,5 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
     return token_outputs(y, T, top_k, reduce)
 
 
-__all__ = ["moe_triton", "token_outputs", "sort_pairs_by_expert", "moe_tiles", "MoeTiles", "route_and_sort",
-           "RoutedPairs"]
+__all__ = ["moe_triton", "token_outputs", "sort_pairs_by_expert", "moe_tiles", "gemv_tiles", "MoeTiles",
+           "route_and_sort", "RoutedPairs"]

@@ -32,11 +32,19 @@ import triton.language as tl
 
 from peagle_kernels.dispatch import pdl_launch
 from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
-from peagle_kernels.triton_moe import (_expert_rows, _swiglu, _swiglu_store, _weighted_store, route_and_sort,
-                                       token_outputs)
+from peagle_kernels.triton_moe import (_expert_rows, _swiglu, _swiglu_store, _weighted_store, moe_tiles,
+                                       route_and_sort, token_outputs)
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
 DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
+
+
+@triton.jit
+def _e8m0(scale):
+    """E8M0 scale bytes (as int32) -> 2^(scale - 127) in fp32, exactly: the fp32 with exponent field `scale`
+    (scale >= 1); scale = 0 (2^-127) is an fp32 subnormal, built as 2^-126 / 2."""
+    two_pow = (tl.maximum(scale, 1) << 23).to(tl.float32, bitcast=True)
+    return tl.where(scale == 0, two_pow * 0.5, two_pow)
 
 
 @triton.jit
@@ -45,15 +53,12 @@ def _fp4_times_scale(code, scale):
 
     A code is sign | exponent e (2 bits) | mantissa m (1 bit). For e >= 1 its value 2^(e-1) * (1 + m/2)
     is the fp32 with exponent field e + 126 and mantissa top bit m: bits (code & 7) << 22 plus 126 << 23.
-    Code 1 (0.5, subnormal in E2M1) is 126 << 23; code 0 is 0. The scale 2^(s-127) is the fp32 with
-    exponent field s (s >= 1); s = 0 (2^-127) is an fp32 subnormal, built as 2^-126 / 2.
+    Code 1 (0.5, subnormal in E2M1) is 126 << 23; code 0 is 0.
     """
     mag = code & 7
     bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 126 << 23, 0))
     value = bits.to(tl.float32, bitcast=True)
-    value = tl.where(code >= 8, -value, value)
-    two_pow = (tl.maximum(scale, 1) << 23).to(tl.float32, bitcast=True)
-    return value * tl.where(scale == 0, two_pow * 0.5, two_pow)
+    return tl.where(code >= 8, -value, value) * _e8m0(scale)
 
 
 @triton.jit
@@ -171,6 +176,96 @@ def _moe_mxfp4_down_kernel(h_ptr, wb_ptr, ws_ptr, b2_ptr, gates_ptr, y_ptr, part
 
 
 @triton.jit
+def _shl(w, bits: tl.constexpr):
+    """w << bits, or w >> -bits (arithmetic; callers mask the bits that shifts in)."""
+    if bits >= 0:
+        return w << bits
+    else:
+        return w >> -bits
+
+
+@triton.jit
+def _fp4_pair(words, I: tl.constexpr):
+    """Weights I and I + 4 of each int32 word (nibbles I and I + 4; the word's 8 codes in nibble order) -> fp32
+    values times 2^-14, exactly.
+
+    Nibbles I and I + 4 are 16 bits apart, so one word makes an fp16 pair: sign to bits 15 and 31, exponent and
+    mantissa bits to 11..9 and 27..25. Each fp16 is the code's value times 2^-14: E2M1's exponent-0 codes (0 and
+    0.5) land on fp16 subnormals, so no table and no select."""
+    pair = (_shl(words, 12 - 4 * I) & -0x7FFF8000) | (_shl(words, 9 - 4 * I) & 0x0E000E00)  # 0x80008000 as int32
+    return (pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+            (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _x_pair(x_row, blk, q, blk_ok, I: tl.constexpr):
+    """The activations that meet `_fp4_pair(words, I)`: weights 8q + I and 8q + I + 4 of each block, fp32."""
+    at = x_row + blk * 32 + 8 * q + I
+    return tl.load(at, mask=blk_ok, other=0.0).to(tl.float32), tl.load(at + 4, mask=blk_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pair_fma(acc, words, x_lo, x_hi, I: tl.constexpr):
+    """acc [ROWS, 128] += each word's weights I and I + 4 times their activations (`_x_pair`'s, [128])."""
+    lo, hi = _fp4_pair(words, I)
+    return tl.fma(hi, x_hi[None, :], tl.fma(lo, x_lo[None, :], acc))
+
+
+@triton.jit
+def _mxfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, order_ptr, offsets_ptr, num_experts, N, K, n_chunk,
+                       stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ps, stride_pr,
+                       GATHER: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr, E_PAD: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    """part[s, r, n] = sum over K-chunk s of x[src(r), k] * W_e[n, k], plus b_e[n] in chunk 0 (fp32), for the
+    expert-sorted row r = program_id(0) of expert e; src(r) is r's token (GATHER: the up projection) or r (down).
+
+    A GEMV on CUDA cores for decode sizes. A K-chunk is 32 MXFP4 blocks, and its activations are loaded once,
+    before the loop, and stay in registers: the loop walks this program's weight rows, ROWS at a time, and reads
+    only their codes and scale bytes. A row's chunk is 128 int32 words, four a lane: one 16-byte load (stride_we
+    and stride_wn count blocks of 16 bytes, so the compiler sees the alignment; a row of K/2 = 1440 bytes is 360
+    words, not a multiple of 16). Word j holds weights 8q..8q+7 of block j // 4 (q = j % 4), weight 8q + i in
+    nibble i. Each word's products are summed in fp32 and scaled once a block."""
+    if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0)
+    ex = tl.arange(0, E_PAD)
+    ends = tl.load(offsets_ptr + ex + 1, mask=ex < num_experts, other=2**30)
+    e = tl.sum((ends <= row).to(tl.int32), 0)  # the expert whose sorted rows hold this one
+    src = tl.load(order_ptr + row) // TOP_K if GATHER else row
+    split = tl.program_id(2)
+    j = tl.arange(0, 128)
+    blk = split * 32 + j // 4
+    blk_ok = blk < K // 32
+    x_row = x_ptr + src.to(tl.int64) * stride_xt
+    x0l, x0h = _x_pair(x_row, blk, j % 4, blk_ok, 0)
+    x1l, x1h = _x_pair(x_row, blk, j % 4, blk_ok, 1)
+    x2l, x2h = _x_pair(x_row, blk, j % 4, blk_ok, 2)
+    x3l, x3h = _x_pair(x_row, blk, j % 4, blk_ok, 3)
+
+    w_e = w_ptr + (e.to(tl.int64) * stride_we + split * 32) * 4 + j[None, :]
+    s_e = s_ptr + e.to(tl.int64) * stride_se + split * 32 + tl.arange(0, 32)[None, :]
+    b_e = b_ptr + e.to(tl.int64) * stride_be
+    out = part_ptr + split * stride_ps + row.to(tl.int64) * stride_pr
+    n_begin = tl.program_id(1) * n_chunk
+    for n0 in range(n_begin, tl.minimum(n_begin + n_chunk, N), ROWS):
+        n = n0 + tl.arange(0, ROWS)
+        n_ok = n < N
+        ok = n_ok[:, None] & blk_ok[None, :]
+        words = tl.load(w_e + n.to(tl.int64)[:, None] * stride_wn * 4, mask=ok, other=0)
+        s_ok = n_ok[:, None] & (split * 32 + tl.arange(0, 32) < K // 32)[None, :]
+        scales = tl.load(s_e + n.to(tl.int64)[:, None] * stride_sn, mask=s_ok, other=127).to(tl.int32)
+        p = tl.zeros([ROWS, 128], tl.float32)
+        p = _pair_fma(_pair_fma(p, words, x0l, x0h, 0), words, x1l, x1h, 1)
+        p = _pair_fma(_pair_fma(p, words, x2l, x2h, 2), words, x3l, x3h, 3)
+        block_sums = tl.sum(tl.reshape(p, [ROWS, 32, 4]), 2)
+        y = tl.sum(block_sums * (_e8m0(scales) * 16384.0), 1)  # 2^14 undoes the decode's 2^-14
+        y += tl.load(b_e + n, mask=n_ok, other=0.0).to(tl.float32) * (split == 0).to(tl.float32)
+        tl.store(out + n, y, mask=n_ok)
+    if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
+        tl.extra.cuda.gdc_launch_dependents()  # works (kernels/dispatch.py, rule 2)
+
+
+@triton.jit
 def _store_partial(acc, bias_ptrs, part_ptr, stride_ps, stride_pr, rows, row_ok, cols, col_ok):
     """part[s, rows, cols] = acc, plus the bias in K-chunk 0's partial (so the finish needs no expert ids)."""
     split = tl.program_id(2)
@@ -239,12 +334,13 @@ def _packed(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, t
 def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, w1_blocks: torch.Tensor,
                      w1_scales: torch.Tensor, b1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
                      b2: torch.Tensor, top_k: int, alpha: float, limit: float, *,
-                     dot_scaled: bool | None = None, split_k: int | None = None, reduce: bool = True,
-                     routing: Routing | None = None) -> torch.Tensor:
+                     dot_scaled: bool | None = None, split_k: int | None = None, gemv: bool | None = None,
+                     reduce: bool = True, routing: Routing | None = None) -> torch.Tensor:
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`peagle_kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
     otherwise; True/False force one (tests). `split_k`: None takes the tiles' (`MoeTiles.split_k`), a number
-    forces it. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
+    forces it. `gemv`: None lets the tiles choose (`MoeTiles.gemv_rows`); True/False force the CUDA-core GEMVs or
+    the MMA kernels. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
@@ -262,6 +358,9 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     b1, b2 = b1.contiguous(), b2.contiguous()
 
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
+    if gemv is not None and gemv != bool(r.tiles.gemv_rows):
+        forced = moe_tiles(T, top_k, mxfp4=True, gemv=gemv)
+        r = dataclasses.replace(r, tiles=forced, one_tile=T <= forced.block_m)
     tiles = r.tiles if split_k is None else dataclasses.replace(r.tiles, split_k=split_k)
     # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
     common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
@@ -269,13 +368,14 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
 
     rows = T * top_k
-    split = tiles.split_k
     h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
     y = torch.empty(rows, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
+    if tiles.gemv_rows:
+        _moe_gemv(x, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, h, y, r, top_k, alpha, limit)
+        return token_outputs(y, T, top_k, reduce)
+    split = tiles.split_k
     # K split over `split` programs (decode sizes): fp32 partial sums, K-chunks whole BLOCK_K steps
     part = torch.empty(split, rows, max(2 * inter, H), device=x.device, dtype=torch.float32) if split > 1 else y
-    finish = dict(BLOCK_R=min(16, triton.next_power_of_2(rows)), BLOCK_C=128, SPLIT=split, num_warps=4,
-                  **pdl_launch(x))
     chunk = lambda k: triton.cdiv(triton.cdiv(k, tiles.block_k), split) * tiles.block_k  # noqa: E731
 
     _moe_mxfp4_up_kernel[(r.m_tiles, triton.cdiv(inter, tiles.up_n), split)](
@@ -284,17 +384,59 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
         b1.stride(0), h.stride(0), part.stride(0), part.stride(1), SPLIT=split, TOP_K=top_k, BLOCK_N=tiles.up_n,
         **common)
     if split > 1:
-        _swiglu_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(inter, finish["BLOCK_C"]))](
-            part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0), **finish)
-
+        _swiglu_finish(part, h, split, alpha, limit)
     _moe_mxfp4_down_kernel[(r.m_tiles, triton.cdiv(H, tiles.down_n), split)](
         h, w2_blocks, w2_scales, b2, r.gates, y, part, r.order, r.offsets, E, H, inter, chunk(inter),
         h.stride(0), w2_blocks.stride(0), w2_blocks.stride(1), w2_scales.stride(0), w2_scales.stride(1),
         b2.stride(0), y.stride(0), part.stride(0), part.stride(1), SPLIT=split, BLOCK_N=tiles.down_n, **common)
     if split > 1:
-        _scatter_finish_kernel[(triton.cdiv(rows, finish["BLOCK_R"]), triton.cdiv(H, finish["BLOCK_C"]))](
-            part, r.gates, r.order, y, rows, H, part.stride(0), part.stride(1), y.stride(0), **finish)
+        _scatter_finish(part, r, y, split)
     return token_outputs(y, T, top_k, reduce)
+
+
+def _finish_args(rows: int, split: int, like: torch.Tensor) -> dict:
+    return dict(BLOCK_R=min(16, triton.next_power_of_2(rows)), BLOCK_C=128, SPLIT=split, num_warps=4,
+                **pdl_launch(like))
+
+
+def _swiglu_finish(part: torch.Tensor, h: torch.Tensor, split: int, alpha: float, limit: float) -> None:
+    """h = clamped-SwiGLU of the up projection's `split` partial sums in part."""
+    rows, inter = h.shape
+    f = _finish_args(rows, split, h)
+    _swiglu_finish_kernel[(triton.cdiv(rows, f["BLOCK_R"]), triton.cdiv(inter, f["BLOCK_C"]))](
+        part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0), **f)
+
+
+def _scatter_finish(part: torch.Tensor, r, y: torch.Tensor, split: int) -> None:
+    """y[pair] = gate * the down projection's `split` partial sums in part, un-permuted."""
+    rows, H = y.shape
+    f = _finish_args(rows, split, y)
+    _scatter_finish_kernel[(triton.cdiv(rows, f["BLOCK_R"]), triton.cdiv(H, f["BLOCK_C"]))](
+        part, r.gates, r.order, y, rows, H, part.stride(0), part.stride(1), y.stride(0), **f)
+
+
+def _gemv(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, part: torch.Tensor, r,
+          n_chunk: int, gather: bool, top_k: int) -> int:
+    """part[s] = K-chunk s's fp32 partial products (`_mxfp4_gemv_kernel`); returns the number of chunks."""
+    E, N, nb, _ = blocks.shape
+    split = triton.cdiv(nb, 32)  # a K-chunk is 32 MXFP4 blocks, one a lane
+    words = blocks.view(torch.int32)  # [E, N, K/32, 4]
+    t = r.tiles
+    _mxfp4_gemv_kernel[(r.order.shape[0], triton.cdiv(N, n_chunk), split)](
+        x, words, scales, bias, part, r.order, r.offsets, E, N, nb * 32, n_chunk, x.stride(0), blocks.stride(0) // 16,
+        blocks.stride(1) // 16, scales.stride(0), scales.stride(1), bias.stride(0), part.stride(0), part.stride(1),
+        GATHER=gather, TOP_K=top_k, ROWS=t.gemv_rows, E_PAD=triton.next_power_of_2(E), num_warps=t.num_warps,
+        num_stages=t.num_stages, **pdl_launch(x))
+    return split
+
+
+def _moe_gemv(x, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, h, y, r, top_k, alpha, limit) -> None:
+    """Decode sizes: both projections as `_mxfp4_gemv_kernel`s, each finished by its split-K kernel."""
+    rows, H = y.shape
+    part = torch.empty(triton.cdiv(max(H, h.shape[1]), 32 * 32), rows, max(w1_blocks.shape[1], H), device=x.device,
+                       dtype=torch.float32)
+    _swiglu_finish(part, h, _gemv(x, w1_blocks, w1_scales, b1, part, r, r.tiles.up_n, True, top_k), alpha, limit)
+    _scatter_finish(part, r, y, _gemv(h, w2_blocks, w2_scales, b2, part, r, r.tiles.down_n, False, top_k))
 
 
 __all__ = ["moe_mxfp4_triton", "DOT_MODE"]
