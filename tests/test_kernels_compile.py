@@ -204,7 +204,7 @@ def moe_bf16() -> None:
 
 def moe_packed() -> None:
     """MXFP4 experts: `tl.dot_scaled` (the default for bf16), the explicit decode (PEAGLE_MXFP4_DOT=unpack), K split
-    over programs (with its finishing kernels)."""
+    over programs (with its finishing kernels), and the CUDA-core GEMVs (PEAGLE_MXFP4_DECODE=gemv) at decode sizes."""
     triton_moe_mxfp4 = sys.modules["peagle_kernels.triton_moe_mxfp4"]
     H, I, E = 64, 64, 32
     w = moe_weights(H, I, E)
@@ -219,6 +219,8 @@ def moe_packed() -> None:
         triton_moe_mxfp4.moe_mxfp4_triton(x, **packed, top_k=4, alpha=1.702, limit=7.0, reduce=False,
                                           dot_scaled=False)
     triton_moe_mxfp4.moe_mxfp4_triton(randn(4, H), **packed, top_k=4, alpha=1.702, limit=7.0, split_k=4)
+    for T in (1, 8):
+        triton_moe_mxfp4.moe_mxfp4_triton(randn(T, H), **packed, top_k=4, alpha=1.702, limit=7.0, gemv=True)
 
 
 def routing() -> None:

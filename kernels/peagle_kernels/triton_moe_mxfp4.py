@@ -394,25 +394,25 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     return token_outputs(y, T, top_k, reduce)
 
 
-def _finish_args(rows: int, split: int, like: torch.Tensor) -> dict:
-    return dict(BLOCK_R=min(16, triton.next_power_of_2(rows)), BLOCK_C=128, SPLIT=split, num_warps=4,
-                **pdl_launch(like))
+def _finish_tiles(rows: int, split: int) -> dict:
+    return dict(BLOCK_R=min(16, triton.next_power_of_2(rows)), BLOCK_C=128, SPLIT=split, num_warps=4)
 
 
 def _swiglu_finish(part: torch.Tensor, h: torch.Tensor, split: int, alpha: float, limit: float) -> None:
     """h = clamped-SwiGLU of the up projection's `split` partial sums in part."""
     rows, inter = h.shape
-    f = _finish_args(rows, split, h)
+    f = _finish_tiles(rows, split)
     _swiglu_finish_kernel[(triton.cdiv(rows, f["BLOCK_R"]), triton.cdiv(inter, f["BLOCK_C"]))](
-        part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0), **f)
+        part, h, rows, inter, float(alpha), float(limit), part.stride(0), part.stride(1), h.stride(0), **f,
+        **pdl_launch(h))
 
 
 def _scatter_finish(part: torch.Tensor, r, y: torch.Tensor, split: int) -> None:
     """y[pair] = gate * the down projection's `split` partial sums in part, un-permuted."""
     rows, H = y.shape
-    f = _finish_args(rows, split, y)
+    f = _finish_tiles(rows, split)
     _scatter_finish_kernel[(triton.cdiv(rows, f["BLOCK_R"]), triton.cdiv(H, f["BLOCK_C"]))](
-        part, r.gates, r.order, y, rows, H, part.stride(0), part.stride(1), y.stride(0), **f)
+        part, r.gates, r.order, y, rows, H, part.stride(0), part.stride(1), y.stride(0), **f, **pdl_launch(y))
 
 
 def _gemv(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, part: torch.Tensor, r,
