@@ -17,6 +17,10 @@ Two ways to expand a tile (constexpr `DOT_SCALED`):
   under TRITON_INTERPRET=1) and as the fallback if `dot_scaled` misbehaves on a GPU
   (`PEAGLE_MXFP4_DOT=unpack`).
 
+At decode sizes the experts can instead run as GEMVs on CUDA cores (`_mxfp4_gemv_kernel`, `MoeTiles.gemv_rows`;
+opt-in with PEAGLE_MXFP4_DECODE=gemv until a GPU has timed it, docs/benchmarks/moe_tiles.md): activations held in
+registers for a whole K-chunk, a loop over weight rows that loads only codes and scales.
+
 Layout: a packed matrix [E, N, K/32, 16] is read as bytes [E, N, K/2] (byte j of a row holds
 weights 2j (low nibble) and 2j+1 (high nibble)); its scales [E, N, K/32]. H and I must be
 multiples of 32 (whole MXFP4 blocks), not of the tiles: partial K-tiles are masked by whole blocks.
