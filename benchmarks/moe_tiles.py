@@ -36,7 +36,7 @@ MXFP4 = [(16, 32, 32, 128, 2, 4, 1), (16, 32, 32, 128, 2, 4, 2), (16, 32, 32, 12
 WIDE = [(16, 32, 32, 256, 2, 4, 2), (16, 16, 16, 256, 2, 4, 2), (16, 16, 16, 512, 2, 3, 2), (16, 32, 32, 512, 4, 3, 1),
         (16, 16, 16, 512, 2, 3, 1), (16, 8, 8, 512, 1, 3, 2)]
 # The CUDA-core GEMV kernels (`gemv_rows` > 0): up_n / down_n are the weight rows a program covers, gemv_rows those a
-# loop step loads (a K-chunk is 32 blocks; block_m 1, block_k and split_k unused). The first is `gemv_tiles`.
+# loop step loads (a K-chunk is 32 blocks; block_m 1, block_k and split_k unused). The first is `GEMV_TILES`.
 GEMV = [(1, 64, 64, 1024, 2, 1, 1, 8), (1, 64, 32, 1024, 2, 1, 1, 8), (1, 32, 16, 1024, 2, 1, 1, 8),
         (1, 128, 64, 1024, 2, 1, 1, 8), (1, 64, 32, 1024, 2, 1, 1, 16), (1, 64, 32, 1024, 4, 1, 1, 16),
         (1, 64, 32, 1024, 2, 1, 1, 4), (1, 64, 32, 1024, 2, 2, 1, 8), (1, 32, 32, 1024, 1, 1, 1, 4)]

@@ -172,7 +172,8 @@ def test_gemv_fp4_pairs_are_bit_exact(mx):
             tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i, lo)
             tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i + 4, hi)
 
-    blocks = (torch.arange(64) * 37 % 256).to(torch.uint8).view(4, 16)  # every code in both nibbles of a byte
+    w, b = torch.arange(16)[:, None], torch.arange(4)[None, :]  # word w, byte b: low nibble w, high (w + b) % 16
+    blocks = (w | ((w + b) % 16) << 4).to(torch.uint8).view(4, 16)  # so every code in every nibble of a word
     out = torch.empty(16, 8)
     pairs[(1,)](blocks.view(torch.int32).flatten(), out)
     want = dequantize(blocks.view(1, 4, 16), torch.full((1, 4), 127, dtype=torch.uint8)).view(16, 8)

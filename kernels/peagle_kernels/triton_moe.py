@@ -221,10 +221,14 @@ class MoeTiles:
     # down_n are then the rows a program covers; K is cut in chunks of 32 blocks)
 
 
+# MXFP4 experts as CUDA-core GEMVs: one sorted row a program, 64 weight rows a program, 8 a loop step
+GEMV_TILES = MoeTiles(1, 64, 64, 32 * 32, 2, 1, gemv_rows=8)
+
+
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False, gemv: bool | None = None) -> MoeTiles:
     """`gemv` (MXFP4 only): None follows PEAGLE_MXFP4_DECODE through GEMV_MAX_TOKENS tokens; True/False force."""
-    if mxfp4 and (gemv or gemv is None and num_tokens <= GEMV_MAX_TOKENS and MXFP4_DECODE == "gemv"):
-        return gemv_tiles(num_tokens)
+    if mxfp4 and (gemv or (gemv is None and num_tokens <= GEMV_MAX_TOKENS and MXFP4_DECODE == "gemv")):
+        return GEMV_TILES
     if mxfp4 and num_tokens <= 64:
         # Packed experts, measured on an H100 at the 120B and 20B shapes (docs/benchmarks/moe_tiles.md): two warps
         # and 32-wide N tiles through 64 tokens (1.36-1.47x the grouped tiles below at 64), K split in two at one
@@ -237,11 +241,6 @@ def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False, gemv: bool | Non
     if num_tokens * top_k <= 4096:
         return MoeTiles(64, 64, 128, 64, 4, 3)
     return MoeTiles(128, 64, 128, 64, 8, 3)
-
-
-def gemv_tiles(num_tokens: int) -> MoeTiles:
-    """MXFP4 experts as CUDA-core GEMVs: one sorted row an M-tile, 64 weight rows a program, 8 a loop step."""
-    return MoeTiles(1, 64, 64, 32 * 32, 2, 1, gemv_rows=8)
 
 
 @dataclass(frozen=True)
@@ -326,5 +325,5 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
     return token_outputs(y, T, top_k, reduce)
 
 
-__all__ = ["moe_triton", "token_outputs", "sort_pairs_by_expert", "moe_tiles", "gemv_tiles", "MoeTiles",
+__all__ = ["moe_triton", "token_outputs", "sort_pairs_by_expert", "moe_tiles", "GEMV_TILES", "MoeTiles",
            "route_and_sort", "RoutedPairs"]

@@ -247,7 +247,8 @@ def _mxfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, order_ptr, offsets_
     x3l, x3h = _x_pair(x_row, blk, j % 4, blk_ok, 3)
 
     w_e = w_ptr + (e.to(tl.int64) * stride_we + split * 32) * 4 + j[None, :]
-    s_e = s_ptr + e.to(tl.int64) * stride_se + split * 32 + tl.arange(0, 32)[None, :]
+    s_blk = split * 32 + tl.arange(0, 32)  # the chunk's blocks again, one a scale byte
+    s_e = s_ptr + e.to(tl.int64) * stride_se + s_blk[None, :]
     b_e = b_ptr + e.to(tl.int64) * stride_be
     out = part_ptr + split * stride_ps + row.to(tl.int64) * stride_pr
     n_begin = tl.program_id(1) * n_chunk
@@ -256,7 +257,7 @@ def _mxfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, order_ptr, offsets_
         n_ok = n < N
         ok = n_ok[:, None] & blk_ok[None, :]
         words = tl.load(w_e + n.to(tl.int64)[:, None] * stride_wn * 4, mask=ok, other=0)
-        s_ok = n_ok[:, None] & (split * 32 + tl.arange(0, 32) < K // 32)[None, :]
+        s_ok = n_ok[:, None] & (s_blk < K // 32)[None, :]
         scales = tl.load(s_e + n.to(tl.int64)[:, None] * stride_sn, mask=s_ok, other=127).to(tl.int32)
         p = tl.zeros([ROWS, 128], tl.float32)
         p = _pair_fma(_pair_fma(p, words, x0l, x0h, 0), words, x1l, x1h, 1)
