@@ -203,8 +203,9 @@ def moe_bf16() -> None:
 
 
 def moe_packed() -> None:
-    """MXFP4 experts: `tl.dot_scaled` (the default for bf16), the explicit decode (PEAGLE_MXFP4_DOT=unpack), K split
-    over programs (with its finishing kernels), and the CUDA-core GEMVs (PEAGLE_MXFP4_DECODE=gemv) at decode sizes."""
+    """MXFP4 experts: the CUDA-core GEMVs (the default at decode sizes), and the MMA kernels at every size:
+    `tl.dot_scaled` (the default for bf16), the explicit decode (PEAGLE_MXFP4_DOT=unpack), K split over programs (with
+    its finishing kernels)."""
     triton_moe_mxfp4 = sys.modules["peagle_kernels.triton_moe_mxfp4"]
     H, I, E = 64, 64, 32
     w = moe_weights(H, I, E)
@@ -213,14 +214,14 @@ def moe_packed() -> None:
                   w1_scales=torch.randint(120, 124, (E, 2 * I, H // 32), dtype=torch.uint8),
                   w2_blocks=torch.randint(0, 256, (E, H, I // 32, 16), dtype=torch.uint8),
                   w2_scales=torch.randint(120, 124, (E, H, I // 32), dtype=torch.uint8))
+    for T in (1, 8):
+        moe_mxfp4(randn(T, H), **packed, top_k=4, alpha=1.702, limit=7.0)
     for T in (1, 150):
         x = randn(T, H)
-        moe_mxfp4(x, **packed, top_k=4, alpha=1.702, limit=7.0, reduce=False)
-        triton_moe_mxfp4.moe_mxfp4_triton(x, **packed, top_k=4, alpha=1.702, limit=7.0, reduce=False,
-                                          dot_scaled=False)
-    triton_moe_mxfp4.moe_mxfp4_triton(randn(4, H), **packed, top_k=4, alpha=1.702, limit=7.0, split_k=4)
-    for T in (1, 8):
-        triton_moe_mxfp4.moe_mxfp4_triton(randn(T, H), **packed, top_k=4, alpha=1.702, limit=7.0, gemv=True)
+        for dot_scaled in (None, False):
+            triton_moe_mxfp4.moe_mxfp4_triton(x, **packed, top_k=4, alpha=1.702, limit=7.0, reduce=False,
+                                              dot_scaled=dot_scaled, gemv=False)
+    triton_moe_mxfp4.moe_mxfp4_triton(randn(4, H), **packed, top_k=4, alpha=1.702, limit=7.0, split_k=4, gemv=False)
 
 
 def routing() -> None:

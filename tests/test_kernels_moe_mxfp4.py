@@ -101,9 +101,10 @@ def test_split_k_matches_reference(mx, T, H, I, E, top_k, limit, split_k):
     """K split over several programs (fp32 partial sums, then the finishing kernels): the same function. 5 splits
     of these 2-5 K-steps leave some programs with no K at all."""
     p = make_packed(T, H, I, E, seed=T + 3)
-    out = mx.moe_mxfp4_triton(**p, top_k=top_k, alpha=ALPHA, limit=limit, split_k=split_k, dot_scaled=False)
+    kw = dict(top_k=top_k, alpha=ALPHA, limit=limit, split_k=split_k, gemv=False)  # the MMA kernels at every T
+    out = mx.moe_mxfp4_triton(**p, **kw, dot_scaled=False)
     torch.testing.assert_close(out, moe_mxfp4_ref(**p, top_k=top_k, alpha=ALPHA, limit=limit), **TOL)
-    summands = mx.moe_mxfp4_triton(**p, top_k=top_k, alpha=ALPHA, limit=limit, split_k=split_k, reduce=False)
+    summands = mx.moe_mxfp4_triton(**p, **kw, reduce=False)
     assert torch.equal(summands.sum(1), out)
 
 
@@ -201,7 +202,7 @@ def fp32_oracle(p: dict, top_k: int) -> torch.Tensor:
 def test_dot_scaled_path_half_precision(mx, dtype, T, H, I, split_k):
     """bf16/fp16 activations go through tl.dot_scaled, with K whole or split."""
     p = make_packed(T, H, I, 6, seed=T + 1, dtype=dtype)
-    out = mx.moe_mxfp4_triton(**p, top_k=3, alpha=ALPHA, limit=7.0, split_k=split_k)
+    out = mx.moe_mxfp4_triton(**p, top_k=3, alpha=ALPHA, limit=7.0, split_k=split_k, gemv=False)
     assert out.dtype == dtype
     ref = fp32_oracle(p, 3)
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
@@ -260,7 +261,7 @@ def test_moe_mxfp4_bf16_cuda(mx_cuda, T, dot_scaled, split_k):
     """GPT-OSS layer shape (H = I = 2880 = 90 blocks, E = 32, k = 4), compiled, both ways of expanding FP4, K
     whole or split (None: the tiles' choice)."""
     p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
-    kw = dict(top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled, split_k=split_k)
+    kw = dict(top_k=4, alpha=ALPHA, limit=7.0, dot_scaled=dot_scaled, split_k=split_k, gemv=False)
     out = mx_cuda.moe_mxfp4_triton(**p, **kw)
     assert out.dtype == torch.bfloat16
     summands = mx_cuda.moe_mxfp4_triton(**p, **kw, reduce=False)

@@ -197,8 +197,11 @@ def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch
     return order.to(torch.int32), offsets.to(torch.int32)
 
 
-# MXFP4 decode: "mma" (the tensor-core kernels) or "gemv" (`_mxfp4_gemv_kernel` through GEMV_MAX_TOKENS tokens)
-MXFP4_DECODE = os.environ.get("PEAGLE_MXFP4_DECODE", "mma")
+# MXFP4 decode: "gemv" (`_mxfp4_gemv_kernel` through GEMV_MAX_TOKENS tokens) or "mma" (the tensor-core kernels at
+# every size). On an H100 the GEMVs ran the 120B layer 1.44x (1 token) to 1.67x (8) faster than the MMA kernels and
+# the 20B layer 1.42x at 8; at 16 tokens 1.58x at 120B and even at 20B (E = 32: two rows an expert, so each
+# expert's weights are read twice). docs/benchmarks/moe_tiles.md
+MXFP4_DECODE = os.environ.get("PEAGLE_MXFP4_DECODE", "gemv")
 GEMV_MAX_TOKENS = 16
 
 
@@ -221,8 +224,9 @@ class MoeTiles:
     # down_n are then the rows a program covers; K is cut in chunks of 32 blocks)
 
 
-# MXFP4 experts as CUDA-core GEMVs: one sorted row a program, 64 weight rows a program, 8 a loop step
-GEMV_TILES = MoeTiles(1, 64, 64, 32 * 32, 2, 1, gemv_rows=8)
+# MXFP4 experts as CUDA-core GEMVs: one sorted row a program, 64 w1 rows or 32 w2 rows a program, 16 a loop step.
+# Of 9 launch shapes timed at 1-16 tokens (120B and 20B, H100), the best or within 7% of it at every size.
+GEMV_TILES = MoeTiles(1, 64, 32, 32 * 32, 2, 1, gemv_rows=16)
 
 
 def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False, gemv: bool | None = None) -> MoeTiles:

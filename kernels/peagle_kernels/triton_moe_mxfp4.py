@@ -17,9 +17,10 @@ Two ways to expand a tile (constexpr `DOT_SCALED`):
   under TRITON_INTERPRET=1) and as the fallback if `dot_scaled` misbehaves on a GPU
   (`PEAGLE_MXFP4_DOT=unpack`).
 
-At decode sizes the experts can instead run as GEMVs on CUDA cores (`_mxfp4_gemv_kernel`, `MoeTiles.gemv_rows`;
-opt-in with PEAGLE_MXFP4_DECODE=gemv until a GPU has timed it, docs/benchmarks/moe_tiles.md): activations held in
-registers for a whole K-chunk, a loop over weight rows that loads only codes and scales.
+At decode sizes (through 16 tokens) the experts run instead as GEMVs on CUDA cores (`_mxfp4_gemv_kernel`,
+`MoeTiles.gemv_rows`): activations held in registers for a whole K-chunk, a loop over weight rows that loads only
+codes and scales. On an H100 they ran the 120B layer 1.4-1.7x faster than the MMA kernels at 1-16 tokens
+(docs/benchmarks/moe_tiles.md); PEAGLE_MXFP4_DECODE=mma keeps the MMA kernels at every size.
 
 Layout: a packed matrix [E, N, K/32, 16] is read as bytes [E, N, K/2] (byte j of a row holds
 weights 2j (low nibble) and 2j+1 (high nibble)); its scales [E, N, K/32]. H and I must be
@@ -344,8 +345,8 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     """x [T, H] -> [T, H], or summands [T, k, H] with reduce=False (`peagle_kernels.moe`). `dot_scaled`: None picks
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
     otherwise; True/False force one (tests). `split_k`: None takes the tiles' (`MoeTiles.split_k`), a number
-    forces it. `gemv`: None lets the tiles choose (`MoeTiles.gemv_rows`); True/False force the CUDA-core GEMVs or
-    the MMA kernels. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
+    forces it. Both are the MMA kernels' knobs; the GEMVs ignore them. `gemv`: None lets the tiles choose
+    (`MoeTiles.gemv_rows`: the GEMVs at decode sizes); True/False force the CUDA-core GEMVs or the MMA kernels. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
