@@ -46,6 +46,10 @@ VARIANTS = {  # name: (kernel, signature, values, constexprs, weights a thread h
         "_mxfp4_gemv_kernel", GEMV_SIG, GEMV_VALUES,
         dict(GATHER=True, TOP_K=4, ROWS=8, E_PAD=128, USE_PDL=False),
         8 * 32 * 32 // 64, 2, 1),
+    "gemv (CUDA cores, 16 rows x 32 blocks a step, 2 warps: GEMV_TILES)": (
+        "_mxfp4_gemv_kernel", GEMV_SIG, GEMV_VALUES,
+        dict(GATHER=True, TOP_K=4, ROWS=16, E_PAD=128, USE_PDL=False),
+        16 * 32 * 32 // 64, 2, 1),
 }
 
 
