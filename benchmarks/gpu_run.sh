@@ -189,17 +189,19 @@ case "${1:-}" in
       --policies K3 --out /tmp/spec120_eagle3 > "$OUT/spec120_eagle3.log" 2>&1; grep -v "$QUIET" "$OUT/spec120_eagle3.log" | tail -n 6
     tar czf "$OUT/spec120.tgz" -C /tmp spec120 spec120_eagle3
     ;;
-  spec-120b-repeat)  # one GPU: spec-120b's one-request level again with 12 requests (none, K3, adaptive), its
-                     # 16-request level again (adaptive first), and the 120B MoE layer at 24 and 32 tokens by launch shape
+  spec-120b-repeat)  # one GPU: the 120B MoE layer at 24 and 32 tokens by launch shape, then spec-120b's 16-request
+                     # level again (adaptive first) and its one-request level with 12 requests (none, K3, adaptive)
+    timeout 80 python3 benchmarks/moe_tiles.py --out "$OUT/tiles" --max-t 32 --tokens 24,32 --layers 120b-gemv \
+      > "$OUT/tiles.log" 2>&1; grep -v "^{" "$OUT/tiles.log" | tail -n 4
     local_args=(--shape 120b --device cuda --replay synthetic:0.80,0.72,0.66,0.60,0.55,0.50,0.45 --waves 2
                 --max-tokens 64 --warm-policy --kv-cache-gb 4)
-    timeout 200 python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" --concurrency 1 --min-requests 12 \
-      --policies none,K3,adaptive --out "$OUT/c1" > "$OUT/c1.log" 2>&1; grep -v "$QUIET" "$OUT/c1.log" | tail -n 4
-    timeout 200 python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" --concurrency 16 --min-requests 4 \
-      --policies adaptive,none,K3,K7 --out "$OUT/c16" > "$OUT/c16.log" 2>&1; grep -v "$QUIET" "$OUT/c16.log" | tail -n 4
+    timeout "${C16_TIMEOUT:-150}" python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" --concurrency 16 \
+      --min-requests 4 --policies adaptive,none,K3,K7 --out "$OUT/c16" > "$OUT/c16.log" 2>&1
+    grep -v "$QUIET" "$OUT/c16.log" | tail -n 4
+    timeout "${C1_TIMEOUT:-120}" python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" --concurrency 1 \
+      --min-requests 12 --policies none,K3,adaptive --out "$OUT/c1" > "$OUT/c1.log" 2>&1
+    grep -v "$QUIET" "$OUT/c1.log" | tail -n 4
     rm -rf "$OUT/c1/cells" "$OUT/c16/cells"
-    timeout 100 python3 benchmarks/moe_tiles.py --out "$OUT/tiles" --max-t 32 --tokens 24,32 --layers 120b-gemv \
-      > "$OUT/tiles.log" 2>&1; grep -v "^{" "$OUT/tiles.log" | tail -n 4
     ;;
   prefix-ttft)  # one GPU: TTFT with a 2,048-token shared prefix, prefix caching on against off (20B shape)
     timeout 300 python3 benchmarks/prefix_ttft.py --shape 20b --prefix 2048 --concurrency 4 --waves 4 --rounds 1 \
