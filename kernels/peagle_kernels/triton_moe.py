@@ -198,9 +198,9 @@ def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch
 
 
 # MXFP4 decode: "gemv" (`_mxfp4_gemv_kernel` through GEMV_MAX_TOKENS tokens) or "mma" (the tensor-core kernels at
-# every size). On an H100 the GEMVs ran the 120B layer 1.44x (1 token) to 1.67x (8) faster than the MMA kernels and
-# the 20B layer 1.42x at 8; at 16 tokens 1.58x at 120B and even at 20B (E = 32: two rows an expert, so each
-# expert's weights are read twice). docs/benchmarks/moe_tiles.md
+# every size). On an H100 the GEMVs ran the 120B layer 1.34x (1 token) to 1.67x (4-8) faster than the MMA kernels
+# (1.57x at 16), the 20B layer 1.4-1.6x at 1-8 tokens and even at 16 (E = 32: ~2 rows an expert, and a GEMV reads
+# its expert's weights once a row). docs/benchmarks/moe_tiles.md
 MXFP4_DECODE = os.environ.get("PEAGLE_MXFP4_DECODE", "gemv")
 GEMV_MAX_TOKENS = 16
 

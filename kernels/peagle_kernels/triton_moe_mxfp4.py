@@ -346,7 +346,8 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
     otherwise; True/False force one (tests). `split_k`: None takes the tiles' (`MoeTiles.split_k`), a number
     forces it. Both are the MMA kernels' knobs; the GEMVs ignore them. `gemv`: None lets the tiles choose
-    (`MoeTiles.gemv_rows`: the GEMVs at decode sizes); True/False force the CUDA-core GEMVs or the MMA kernels. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
+    (`MoeTiles.gemv_rows`: the GEMVs at decode sizes); True/False force the CUDA-core GEMVs or the MMA kernels.
+    `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
