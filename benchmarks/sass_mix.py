@@ -4,8 +4,11 @@
 
 Compiles `_moe_mxfp4_up_kernel` (MMA tiles, `tl.dot_scaled`) and `_mxfp4_gemv_kernel` (CUDA cores) as the launcher
 would at the 120B up projection and one token (Triton's own ptxas and cuobjdump, `GPUTarget("cuda", 90)`), finds each
-kernel's innermost loop in the SASS and counts its instructions by opcode, per weight a thread handles in one step. The FP4 expansion is most of them, but
-`mxfp4_fp16_probe.py` measured that instruction count is not what holds the kernel (`docs/benchmarks/moe_tiles.md`). Writes sass_mix.json (and the SASS) to --out.
+kernel's innermost loop in the SASS and counts its instructions by opcode, per weight a thread handles in one step.
+In the MMA kernel the FP4 expansion is most of them, but `mxfp4_fp16_probe.py` measured that its instruction count is
+not what holds it; for the GEMVs these counts put issue at ~2/3 of their measured time at 8-16 tokens (an estimate,
+`docs/benchmarks/moe_tiles.md`). Writes
+sass_mix.json (and the SASS) to --out.
 Run it with the GPU machines' Triton (3.6) for their figure: the wheel installed to a side directory and put first
 on PYTHONPATH (`pip install --no-deps --target /tmp/t36 triton==3.6.0`, then `PYTHONPATH=/tmp/t36 python ...`).
 """

@@ -368,18 +368,18 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     if gemv is not None and gemv != bool(r.tiles.gemv_rows):
         forced = moe_tiles(T, top_k, mxfp4=True, gemv=gemv)
         r = dataclasses.replace(r, tiles=forced, one_tile=T <= forced.block_m)
+    rows = T * top_k
+    h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
+    y = torch.empty(rows, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
+    if r.tiles.gemv_rows:
+        _moe_gemv(x, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, h, y, r, top_k, alpha, limit)
+        return token_outputs(y, T, top_k, reduce)
+
     tiles = r.tiles if split_k is None else dataclasses.replace(r.tiles, split_k=split_k)
     # BLOCK_K (64 or 128) is a power of two >= 32: whole MXFP4 blocks per K-step
     common = dict(BLOCK_K=tiles.block_k, DOT_SCALED=dot_scaled, **r.kernel_args(),
                   LHS_FMT=_LHS_FORMATS.get(x.dtype, "bf16"), DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x))
-
-    rows = T * top_k
-    h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
-    y = torch.empty(rows, H, device=x.device, dtype=x.dtype)  # token-major rows: pair t*k + j
-    if tiles.gemv_rows:
-        _moe_gemv(x, w1_blocks, w1_scales, b1, w2_blocks, w2_scales, b2, h, y, r, top_k, alpha, limit)
-        return token_outputs(y, T, top_k, reduce)
     split = tiles.split_k
     # K split over `split` programs (decode sizes): fp32 partial sums, K-chunks whole BLOCK_K steps
     part = torch.empty(split, rows, max(2 * inter, H), device=x.device, dtype=torch.float32) if split > 1 else y
