@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_run.sh moe-tiles # one GPU: MoE launch shapes by token count
 #   bash benchmarks/gpu_run.sh fp16-probe  # one GPU: the MXFP4 GEMV with codes re-encoded for a bit-mask FP4 -> fp16 expansion
 #   bash benchmarks/gpu_run.sh gemv      # one GPU: the CUDA-core MXFP4 GEMVs against the MMA kernels, layer and 120B step
+#   bash benchmarks/gpu_run.sh gemv-f16  # one GPU: the GEMVs' fp16 pairs against an earlier tree's GEMVs (BASE), layer and 120B step
 #   bash benchmarks/gpu_run.sh moe-where # one GPU: the 120B MXFP4 MoE layer's kernels, its bytes read by pattern, its step's kernels
 #   bash benchmarks/gpu_run.sh spec-120b # one GPU: speculation at the 120B MXFP4 shape (replayed acceptance), per-user tok/s
 #   bash benchmarks/gpu_run.sh spec-120b-repeat  # one GPU: spec-120b's 1- and 16-request levels again; the 120B MoE at 24-32 tokens
@@ -168,6 +169,22 @@ case "${1:-}" in
     done
     timeout "${TESTS_TIMEOUT:-120}" python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py \
       2>&1 | tail -n 5
+    ;;
+  gemv-f16)  # one GPU: this tree's MXFP4 GEMVs against an earlier commit's (BASE: `git archive -o data/base.tgz REV
+             # kernels peagle_core ':(exclude)peagle_core/assets'`, carried): the GEMV GPU tests, the MoE layer at 1-32
+             # tokens by launch shape (120B, 20B; the base tree's shipped shapes alone), then the 120B step's kernels
+    mkdir -p /tmp/base/benchmarks && tar xzf "${BASE:-data/base.tgz}" -C /tmp/base || exit 1
+    cp benchmarks/moe_tiles.py /tmp/base/benchmarks/  # (its flags; it imports the kernels beside it)
+    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py \
+      -k "gemv or graph" 2>&1 | tail -n 5
+    tiles_args=(--max-t 32 --tokens "${GEMV_TOKENS:-1,2,4,8,16,24,32}" --layers 120b-gemv,20b-gemv)
+    timeout "${MOE_TIMEOUT:-200}" python3 benchmarks/moe_tiles.py --out "$OUT/tiles" "${tiles_args[@]}" \
+      --max-candidates "${GEMV_CANDIDATES:-7}" > "$OUT/tiles.log" 2>&1; grep -v "^{" "$OUT/tiles.log" | tail -n 16
+    (cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/base/kernels:/tmp/site timeout "${BASE_TIMEOUT:-100}" python3 \
+      benchmarks/moe_tiles.py --out "$OUT/tiles_base" "${tiles_args[@]}" --max-candidates 3 > "$OUT/tiles_base.log" 2>&1)
+    grep -v "^{" "$OUT/tiles_base.log" | tail -n 16
+    timeout "${PROFILE_TIMEOUT:-140}" python3 benchmarks/profile_step.py --shape 120b --mxfp4 --graphs-only --skip-draft \
+      --bandwidth-tb-s 3.1 --out "$OUT/profile" 2>&1 | grep -v "^USDT\|^STAGE" | tail -n 3
     ;;
   moe-where)  # one GPU: where the 120B MXFP4 MoE layer's time goes (its kernels), its bytes read by access pattern
               # (benchmarks/mxfp4_stream.py), wider K-steps, then the 120B MXFP4 step's kernels (with and without PDL)

@@ -1,6 +1,7 @@
 """MoE launch shapes at decode and verify sizes: time and effective bandwidth of one MoE layer, on one GPU.
 
     python benchmarks/moe_tiles.py --out "$OUT" [--tokens 1,2,4,8,16,64,256] [--layers 120b-mxfp4,20b-mxfp4]
+        [--max-t 32] [--max-candidates N]
 
 One GPT-OSS MoE layer as the engine builds it (MXFP4 experts packed, or bf16), random weights filled as
 `peagle bench` fills them, T tokens routed top-4. Each candidate `MoeTiles` replaces
@@ -37,9 +38,10 @@ WIDE = [(16, 32, 32, 256, 2, 4, 2), (16, 16, 16, 256, 2, 4, 2), (16, 16, 16, 512
         (16, 16, 16, 512, 2, 3, 1), (16, 8, 8, 512, 1, 3, 2)]
 # The CUDA-core GEMV kernels (`gemv_rows` > 0): up_n / down_n are the weight rows a program covers, gemv_rows those a
 # loop step loads (a K-chunk is 32 blocks; block_m 1, block_k and split_k unused). The first is `GEMV_TILES`.
-GEMV = [(1, 64, 32, 1024, 2, 1, 1, 16), (1, 64, 64, 1024, 2, 1, 1, 8), (1, 64, 32, 1024, 2, 1, 1, 8),
-        (1, 32, 16, 1024, 2, 1, 1, 8), (1, 128, 64, 1024, 2, 1, 1, 8), (1, 64, 32, 1024, 4, 1, 1, 16),
-        (1, 64, 32, 1024, 2, 1, 1, 4), (1, 64, 32, 1024, 2, 2, 1, 8), (1, 32, 32, 1024, 1, 1, 1, 4)]
+GEMV = [(1, 64, 32, 1024, 2, 1, 1, 16), (1, 64, 32, 1024, 2, 2, 1, 16), (1, 128, 64, 1024, 2, 1, 1, 16),
+        (1, 64, 32, 1024, 2, 1, 1, 8), (1, 32, 16, 1024, 2, 1, 1, 8), (1, 64, 32, 1024, 4, 1, 1, 16),
+        (1, 128, 64, 1024, 2, 1, 1, 32), (1, 64, 64, 1024, 2, 1, 1, 8), (1, 64, 32, 1024, 2, 1, 1, 4),
+        (1, 128, 64, 1024, 2, 1, 1, 8), (1, 32, 32, 1024, 1, 1, 1, 4)]
 LAYERS = {"120b-mxfp4": ("120b", True, MXFP4), "120b-wide": ("120b", True, MXFP4[:2] + WIDE),
           "120b-gemv": ("120b", True, MXFP4[:2] + GEMV), "20b-gemv": ("20b", True, MXFP4[:2] + GEMV),
           "20b-mxfp4": ("20b", True, MXFP4), "20b-bf16": ("20b", False, [(16, 32, 64, 128, 4, 4)])}
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,64,256")
     ap.add_argument("--layers", default="120b-mxfp4,20b-mxfp4,20b-bf16")
     ap.add_argument("--max-t", type=int, default=32, help="candidates replace the tiles up to this many tokens")
+    ap.add_argument("--max-candidates", type=int, default=None, help="only the first N of each layer's candidates")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -59,6 +62,7 @@ def main() -> None:
     rows = []
     for name in a.layers.split(","):
         shape, mx, candidates = LAYERS[name]
+        candidates = candidates[:a.max_candidates]
         layer = build_random(lambda: MoE(target_config(shape), mxfp4_experts=mx), torch.device("cuda"),
                              torch.bfloat16, 0)
         E = layer.router.weight.shape[0]

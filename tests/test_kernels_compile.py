@@ -39,6 +39,9 @@ from peagle_kernels.sampling import rejection_sample
 ROOT = Path(__file__).resolve().parents[1]
 SM90_SHARED_BYTES = 232448  # the most shared memory a block can opt into on sm_90 (H100/H200: 227 KB)
 PDL_ON = {"launch_pdl": True, "USE_PDL": True}  # what `pdl_launch` adds to a launch on Hopper with PEAGLE_PDL=1
+# Constexprs a launch on a GPU sets where the interpreter cannot follow: the MXFP4 GEMVs' inline PTX
+# (`PEAGLE_MXFP4_PTX`). Such launches are recorded both ways.
+ON_GPU = {"PTX": True}
 BF16 = torch.bfloat16
 
 
@@ -74,8 +77,10 @@ class Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            for pdl in ({}, PDL_ON):
-                self.log.append(self.job(args, {**kwargs, **pdl}))
+            on_gpu = {k: v for k, v in ON_GPU.items() if k in kwargs}
+            for gpu in ({}, on_gpu) if on_gpu else ({},):
+                for pdl in ({}, PDL_ON):
+                    self.log.append(self.job(args, {**kwargs, **gpu, **pdl}))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -203,7 +208,8 @@ def moe_bf16() -> None:
 
 
 def moe_packed() -> None:
-    """MXFP4 experts: the CUDA-core GEMVs (the default at decode sizes), and the MMA kernels at every size:
+    """MXFP4 experts: the CUDA-core GEMVs (the default at decode sizes; bf16 activations as fp16 pairs, in inline
+    PTX on a GPU, and fp32 ones), and the MMA kernels at every size:
     `tl.dot_scaled` (the default for bf16), the explicit decode (PEAGLE_MXFP4_DOT=unpack), K split over programs (with
     its finishing kernels)."""
     triton_moe_mxfp4 = sys.modules["peagle_kernels.triton_moe_mxfp4"]
@@ -216,6 +222,8 @@ def moe_packed() -> None:
                   w2_scales=torch.randint(120, 124, (E, H, I // 32), dtype=torch.uint8))
     for T in (1, 8):
         moe_mxfp4(randn(T, H), **packed, top_k=4, alpha=1.702, limit=7.0)
+    moe_mxfp4(randn(1, H, dtype=torch.float32), **{k: v.float() if v.is_floating_point() else v
+                                                   for k, v in packed.items()}, top_k=4, alpha=1.702, limit=7.0)
     for T in (1, 150):
         x = randn(T, H)
         for dot_scaled in (None, False):
@@ -375,6 +383,9 @@ def test_kernel_compiles_for_sm90(compiled, kernel):
     mine = [(scenarios, job, error) for scenarios, job, error in compiled if job["kernel"] == kernel]
     assert mine, f"no scenario launches {kernel}: add one to SCENARIOS"
     assert {job["constexprs"].get("USE_PDL", False) for _, job, _ in mine} == {False, True}, "PDL off and on"
+    for name, value in ON_GPU.items():  # and the GPU's constexprs as well as the interpreter's
+        if any(name in job["constexprs"] for _, job, _ in mine):
+            assert {job["constexprs"][name] for _, job, _ in mine} == {value, not value}, f"{name} both ways"
     failures = [f"{describe(job)} (scenario {', '.join(scenarios)}):\n{error}" for scenarios, job, error in mine
                 if error]
     if failures:

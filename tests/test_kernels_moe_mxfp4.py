@@ -157,8 +157,8 @@ def test_gemv_matches_reference(mx, T, H, I, E, top_k, limit, hot):
 
 
 def test_gemv_fp4_pairs_are_bit_exact(mx):
-    """`_fp4_pair` on every code in every nibble of a word gives its E2M1 value times 2^-14 exactly (the block's
-    scale, times 2^14, is applied to the block's sum)."""
+    """`_fp4_pair` on every code in every nibble of a word gives an fp16 pair of its E2M1 values times 2^-14,
+    exactly (the block's scale, times 2^14, is applied to the block's sum)."""
     import triton
     import triton.language as tl
 
@@ -169,9 +169,9 @@ def test_gemv_fp4_pairs_are_bit_exact(mx):
     def pairs(words_ptr, out_ptr):
         w = tl.load(words_ptr + tl.arange(0, 16))[None, :]  # [1, 16]
         for i in tl.static_range(4):
-            lo, hi = _MX._fp4_pair(w, i)
-            tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i, lo)
-            tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i + 4, hi)
+            lo, hi = _MX._halves(_MX._fp4_pair(w, i))
+            tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i, lo.to(tl.float32))
+            tl.store(out_ptr + tl.arange(0, 16)[None, :] * 8 + i + 4, hi.to(tl.float32))
 
     w, b = torch.arange(16)[:, None], torch.arange(4)[None, :]  # word w, byte b: low nibble w, high (w + b) % 16
     blocks = (w | ((w + b) % 16) << 4).to(torch.uint8).view(4, 16)  # so every code in every nibble of a word
@@ -180,6 +180,40 @@ def test_gemv_fp4_pairs_are_bit_exact(mx):
     want = dequantize(blocks.view(1, 4, 16), torch.full((1, 4), 127, dtype=torch.uint8)).view(16, 8)
     assert torch.equal(out * 2.0 ** 14, want)
     assert set(FP4_VALUES) <= set(want.flatten().tolist())
+
+
+def gemv_sums(mx, x: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's GEMV (`_gemv`, no gather: row r is x[r]) over K = 1056 (33 blocks: chunks of 32 and 1), its
+    K-chunks' partial sums added, and the float64 product it computes."""
+    from peagle_kernels.triton_moe import GEMV_TILES, RoutedPairs
+
+    g = torch.Generator().manual_seed(seed)
+    T, K = x.shape
+    N = 48
+    blocks = torch.randint(0, 256, (1, N, K // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 124, (1, N, K // 32), generator=g, dtype=torch.uint8)
+    bias = torch.randn(1, N, generator=g).to(x.dtype)
+    dev = dict(device=x.device, dtype=torch.int32)
+    r = RoutedPairs(torch.ones(T, device=x.device), torch.arange(T, **dev), torch.tensor([0, T], **dev), GEMV_TILES,
+                    one_tile=True)
+    part = torch.zeros(2, T, N, device=x.device)
+    split = mx._gemv(x, blocks.to(x.device), scales.to(x.device), bias.to(x.device), part, r, 64, False, 1)
+    assert split == 2
+    want = x.double().cpu() @ dequantize(blocks, scales)[0].double().T + bias.double()
+    return part.sum(0).double().cpu(), want
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e5])
+def test_gemv_half_activations_keep_their_precision(mx, magnitude):
+    """bf16 activations meet the codes as fp16 pairs: scaled by a power of two into fp16's range (1e5 would
+    overflow it, 1e-6 fall into its subnormals), the products exact, each word's eight summed in fp16. The GEMV's
+    sums stay within 1e-3 of the exact product (relative L2; bf16's own rounding is ~2e-3); fp32 activations take
+    fp32 products."""
+    x = torch.randn(3, 1056, generator=torch.Generator().manual_seed(1)) * magnitude
+    got, want = gemv_sums(mx, x.bfloat16())
+    assert ((got - want).norm() / want.norm()).item() < 1e-3
+    got, want = gemv_sums(mx, x)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
 
 
 def fp32_oracle(p: dict, top_k: int) -> torch.Tensor:
@@ -280,6 +314,20 @@ def test_gemv_bf16_cuda(mx_cuda, T):
     torch.testing.assert_close(out.float(), ref, atol=3e-2 * ref.abs().max().item(), rtol=3e-2)
     mma = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, gemv=False)
     assert ((out.float() - mma.float()).norm() / mma.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_gemv_ptx_equals_its_triton_twin(mx_cuda, monkeypatch, T):
+    """The GEMVs' inline PTX (`_WORD_DOT_PTX`) computes what `_word_dot_f16`'s Triton does (the code the CPU tests
+    run), bit for bit, at the GPT-OSS layer shape."""
+    p = {k: v.cuda() for k, v in make_packed(T, 2880, 2880, 32, seed=T, dtype=torch.bfloat16).items()}
+    out = mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, gemv=True)
+    x = torch.randn(3, 1056, generator=torch.Generator().manual_seed(1)).bfloat16().cuda() * 1e3
+    sums = gemv_sums(mx_cuda, x)[0]
+    monkeypatch.setattr(mx_cuda, "GEMV_PTX", False)
+    assert torch.equal(mx_cuda.moe_mxfp4_triton(**p, top_k=4, alpha=ALPHA, limit=7.0, gemv=True), out)
+    assert torch.equal(gemv_sums(mx_cuda, x)[0], sums)
 
 
 @pytest.mark.gpu

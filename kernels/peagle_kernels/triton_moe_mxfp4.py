@@ -19,8 +19,10 @@ Two ways to expand a tile (constexpr `DOT_SCALED`):
 
 At decode sizes (through 16 tokens) the experts run instead as GEMVs on CUDA cores (`_mxfp4_gemv_kernel`,
 `MoeTiles.gemv_rows`): activations held in registers for a whole K-chunk, a loop over weight rows that loads only
-codes and scales. On an H100 they ran the 120B layer 1.4-1.7x faster than the MMA kernels at 1-16 tokens
-(docs/benchmarks/moe_tiles.md); PEAGLE_MXFP4_DECODE=mma keeps the MMA kernels at every size.
+codes and scales. bf16/fp16 activations meet the codes as fp16 pairs (two products an instruction, each word's
+eight summed in fp16, then fp32), fp32 activations in fp32. On an H100 they ran the 120B layer 1.4-1.7x faster than
+the MMA kernels at 1-16 tokens (docs/benchmarks/moe_tiles.md); PEAGLE_MXFP4_DECODE=mma keeps the MMA kernels at
+every size.
 
 Layout: a packed matrix [E, N, K/32, 16] is read as bytes [E, N, K/2] (byte j of a row holds
 weights 2j (low nibble) and 2j+1 (high nibble)); its scales [E, N, K/32]. H and I must be
@@ -35,13 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from peagle_kernels.dispatch import pdl_launch
+from peagle_kernels.dispatch import interpret_mode, pdl_launch
 from peagle_kernels.moe import Routing, check_moe_shapes, mxfp4_shape
 from peagle_kernels.triton_moe import (_expert_rows, _swiglu, _swiglu_store, _weighted_store, moe_tiles,
                                        route_and_sort, token_outputs)
 
 # "scaled" (default): tl.dot_scaled for bf16/fp16 activations; "unpack": always the explicit decode.
 DOT_MODE = os.environ.get("PEAGLE_MXFP4_DOT", "scaled")
+# The GEMVs' word products on a GPU: "1" (default) inline PTX, "0" the Triton they equal bit for bit (slower).
+GEMV_PTX = os.environ.get("PEAGLE_MXFP4_PTX", "1") != "0"
 
 
 @triton.jit
@@ -191,15 +195,26 @@ def _shl(w, bits: tl.constexpr):
 
 @triton.jit
 def _fp4_pair(words, I: tl.constexpr):
-    """Weights I and I + 4 of each int32 word (nibbles I and I + 4; the word's 8 codes in nibble order) -> fp32
-    values times 2^-14, exactly.
+    """Weights I and I + 4 of each int32 word (nibbles I and I + 4; the word's 8 codes in nibble order) as an fp16
+    pair in an int32 (weight I in the low half): each the code's value times 2^-14, exactly.
 
-    Nibbles I and I + 4 are 16 bits apart, so one word makes an fp16 pair: sign to bits 15 and 31, exponent and
-    mantissa bits to 11..9 and 27..25. Each fp16 is the code's value times 2^-14: E2M1's exponent-0 codes (0 and
-    0.5) land on fp16 subnormals, so no table and no select."""
-    pair = (_shl(words, 12 - 4 * I) & -0x7FFF8000) | (_shl(words, 9 - 4 * I) & 0x0E000E00)  # 0x80008000 as int32
-    return (pair.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
-            (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+    Nibbles I and I + 4 are 16 bits apart, so one word makes the pair: sign to bits 15 and 31, exponent and
+    mantissa bits to 11..9 and 27..25. E2M1's exponent-0 codes (0 and 0.5) land on fp16 subnormals, so no table
+    and no select. (`_WORD_DOT_PTX` builds the same pairs with fewer instructions.)"""
+    return (_shl(words, 12 - 4 * I) & -0x7FFF8000) | (_shl(words, 9 - 4 * I) & 0x0E000E00)  # 0x80008000 as int32
+
+
+@triton.jit
+def _halves(pair):
+    """An fp16 pair in an int32 -> (low, high) fp16."""
+    return pair.to(tl.int16).to(tl.float16, bitcast=True), (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _f16x2(lo, hi):
+    """Two fp32 tensors -> fp16 pairs in int32s (lo in the low half), rounded to nearest."""
+    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return lo16 | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
 
 
 @triton.jit
@@ -210,26 +225,99 @@ def _x_pair(x_row, blk, q, blk_ok, I: tl.constexpr):
 
 
 @triton.jit
+def _pow2_scale(amax):
+    """(2^c, 2^-c) in fp32 with amax * 2^c in [2^14, 2^15) (amax >= 0; clamped so that both stay normal)."""
+    e = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF, 15), 254)  # amax's exponent field
+    return ((268 - e) << 23).to(tl.float32, bitcast=True), ((e - 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_dot_f32(words, x0l, x0h, x1l, x1h, x2l, x2h, x3l, x3h):
+    """Each word's 8 weights (times 2^-14) times their fp32 activations (`_x_pair`'s), summed in fp32."""
+    acc = _pair_fma(tl.zeros(words.shape, tl.float32), words, x0l, x0h, 0)
+    acc = _pair_fma(_pair_fma(acc, words, x1l, x1h, 1), words, x2l, x2h, 2)
+    return _pair_fma(acc, words, x3l, x3h, 3)
+
+
+@triton.jit
 def _pair_fma(acc, words, x_lo, x_hi, I: tl.constexpr):
-    """acc [ROWS, 128] += each word's weights I and I + 4 times their activations (`_x_pair`'s, [128])."""
-    lo, hi = _fp4_pair(words, I)
-    return tl.fma(hi, x_hi[None, :], tl.fma(lo, x_lo[None, :], acc))
+    lo, hi = _halves(_fp4_pair(words, I))
+    return tl.fma(hi.to(tl.float32), x_hi, tl.fma(lo.to(tl.float32), x_lo, acc))
+
+
+# `_word_dot_f16` on a GPU: the same products and roundings in 17 instructions a word (Triton's own code for it
+# takes ~29). The pairs: the odd nibbles' magnitude bits moved down 3 to sit 6 below their sign bits, as a pair's
+# do at bits 9..11 and 15 (one funnel of shift and select, `lop3` 0xE4 = c ? a : b), so pair 3 is one mask and
+# pair 1 a shift and a mask; the even nibbles' sign bits moved up 3 the same way. Then one fp16x2 FMA a pair, the
+# halves added and widened.
+_WORD_DOT_PTX = tl.constexpr("""{
+.reg .b32 odd, even, t, p, acc;
+.reg .f16 lo, hi, sum;
+shr.b32 t, $1, 3;
+lop3.b32 odd, t, $1, 0x0E0E0E0E, 0xE4;
+shl.b32 t, $1, 3;
+lop3.b32 even, t, $1, 0x40404040, 0xE4;
+shl.b32 t, even, 9;
+and.b32 p, t, 0x8E008E00;
+mul.rn.f16x2 acc, p, $2;
+shl.b32 t, odd, 8;
+and.b32 p, t, 0x8E008E00;
+fma.rn.f16x2 acc, p, $3, acc;
+shl.b32 t, even, 1;
+and.b32 p, t, 0x8E008E00;
+fma.rn.f16x2 acc, p, $4, acc;
+and.b32 p, odd, 0x8E008E00;
+fma.rn.f16x2 acc, p, $5, acc;
+mov.b32 {lo, hi}, acc;
+add.rn.f16 sum, lo, hi;
+cvt.f32.f16 $0, sum;
+}""")
+
+
+@triton.jit
+def _word_dot_f16(words, x0, x1, x2, x3, PTX: tl.constexpr):
+    """Each word's 8 weights (times 2^-14) times their activations, given as fp16 pairs x_I (`_f16x2`, the
+    activations of `_fp4_pair(words, I)`): the products of a pair of lanes in fp16 (exact for bf16 activations
+    scaled into fp16's range: 2 significant bits times 8), summed along each lane in fp16 (4 roundings), the lanes
+    added in fp16, then widened to fp32. PTX: the same in inline PTX (GPUs; the interpreter runs this Triton)."""
+    if PTX:
+        xs = [tl.broadcast_to(x0, words.shape), tl.broadcast_to(x1, words.shape), tl.broadcast_to(x2, words.shape),
+              tl.broadcast_to(x3, words.shape)]
+        return tl.inline_asm_elementwise(_WORD_DOT_PTX, "=r,r,r,r,r,r", [words] + xs, dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    wl, wh = _halves(_fp4_pair(words, 0))
+    xl, xh = _halves(x0)
+    al, ah = _half_fma(wl * xl, wh * xh, words, x1, 1)
+    al, ah = _half_fma(al, ah, words, x2, 2)
+    al, ah = _half_fma(al, ah, words, x3, 3)
+    return (al + ah).to(tl.float32)
+
+
+@triton.jit
+def _half_fma(al, ah, words, x, I: tl.constexpr):
+    """The fp16 lanes (al, ah) += pair I's weights times the fp16 pair x."""
+    wl, wh = _halves(_fp4_pair(words, I))
+    xl, xh = _halves(x)
+    return tl.fma(wl, xl, al), tl.fma(wh, xh, ah)
 
 
 @triton.jit
 def _mxfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, order_ptr, offsets_ptr, num_experts, N, K, n_chunk,
                        stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_ps, stride_pr,
                        GATHER: tl.constexpr, TOP_K: tl.constexpr, ROWS: tl.constexpr, E_PAD: tl.constexpr,
-                       USE_PDL: tl.constexpr = False):
+                       F16: tl.constexpr, PTX: tl.constexpr, USE_PDL: tl.constexpr = False):
     """part[s, r, n] = sum over K-chunk s of x[src(r), k] * W_e[n, k], plus b_e[n] in chunk 0 (fp32), for the
     expert-sorted row r = program_id(0) of expert e; src(r) is r's token (GATHER: the up projection) or r (down).
 
     A GEMV on CUDA cores for decode sizes. A K-chunk is 32 MXFP4 blocks, and its activations are loaded once,
     before the loop, and stay in registers: the loop walks this program's weight rows, ROWS at a time, and reads
-    only their codes and scale bytes. A row's chunk is 128 int32 words, four a lane: one 16-byte load (stride_we
-    and stride_wn count blocks of 16 bytes, so the compiler sees the alignment; a row of K/2 = 1440 bytes is 360
-    words, not a multiple of 16). Word j holds weights 8q..8q+7 of block j // 4 (q = j % 4), weight 8q + i in
-    nibble i. Each word's products are summed in fp32 and scaled once a block."""
+    only their codes and scale bytes. A row's chunk is 128 int32 words, held as [4 groups, 32 words] (word 32 g + v
+    is word v % 4 of block 8 g + v // 4): a lane's 16-byte load is one block's four words, 8 lanes cover a group,
+    and the groups stay in registers, so a row's sum crosses 8 lanes, not 32. (stride_we and stride_wn count
+    blocks of 16 bytes, so the compiler sees the alignment; a row of K/2 = 1440 bytes is 360 words, not a multiple
+    of 16.) Word j holds weights 8q..8q+7 of block j // 4 (q = j % 4), weight 8q + i in nibble i. Each word's
+    products are summed (`_word_dot_f16`, or in fp32 for fp32 activations: `_word_dot_f32`) and scaled once a
+    block. F16: the chunk's activations times a power of two (`_pow2_scale`, undone on the row's sum) as fp16."""
     if USE_PDL:  # PDL: every program waits for the previous kernel first (kernels/dispatch.py)
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
@@ -238,33 +326,42 @@ def _mxfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, order_ptr, offsets_
     e = tl.sum((ends <= row).to(tl.int32), 0)  # the expert whose sorted rows hold this one
     src = tl.load(order_ptr + row) // TOP_K if GATHER else row
     split = tl.program_id(2)
-    j = tl.arange(0, 128)
-    blk = split * 32 + j // 4
+    g = tl.arange(0, 4)[None, :, None]
+    v = tl.arange(0, 32)[None, None, :]
+    blk = split * 32 + 8 * g + v // 4  # [1, 4, 32]: each word's block
     blk_ok = blk < K // 32
     x_row = x_ptr + src.to(tl.int64) * stride_xt
-    x0l, x0h = _x_pair(x_row, blk, j % 4, blk_ok, 0)
-    x1l, x1h = _x_pair(x_row, blk, j % 4, blk_ok, 1)
-    x2l, x2h = _x_pair(x_row, blk, j % 4, blk_ok, 2)
-    x3l, x3h = _x_pair(x_row, blk, j % 4, blk_ok, 3)
+    x0l, x0h = _x_pair(x_row, blk, v % 4, blk_ok, 0)
+    x1l, x1h = _x_pair(x_row, blk, v % 4, blk_ok, 1)
+    x2l, x2h = _x_pair(x_row, blk, v % 4, blk_ok, 2)
+    x3l, x3h = _x_pair(x_row, blk, v % 4, blk_ok, 3)
+    unscale = 16384.0  # 2^14 undoes the pairs' 2^-14
+    if F16:
+        m = tl.maximum(tl.maximum(tl.abs(x0l), tl.abs(x0h)), tl.maximum(tl.abs(x1l), tl.abs(x1h)))
+        m = tl.maximum(m, tl.maximum(tl.maximum(tl.abs(x2l), tl.abs(x2h)), tl.maximum(tl.abs(x3l), tl.abs(x3h))))
+        scale, inv = _pow2_scale(tl.max(m))  # one reduction over the chunk
+        unscale *= inv
+        x0, x1 = _f16x2(x0l * scale, x0h * scale), _f16x2(x1l * scale, x1h * scale)
+        x2, x3 = _f16x2(x2l * scale, x2h * scale), _f16x2(x3l * scale, x3h * scale)
 
-    w_e = w_ptr + (e.to(tl.int64) * stride_we + split * 32) * 4 + j[None, :]
-    s_blk = split * 32 + tl.arange(0, 32)  # the chunk's blocks again, one a scale byte
-    s_e = s_ptr + e.to(tl.int64) * stride_se + s_blk[None, :]
+    w_e = w_ptr + (e.to(tl.int64) * stride_we + split * 32) * 4 + 32 * g + v
+    s_blk = split * 32 + 8 * g + tl.arange(0, 8)[None, None, :]  # [1, 4, 8]: the chunk's blocks, one a scale byte
+    s_e = s_ptr + e.to(tl.int64) * stride_se + s_blk
     b_e = b_ptr + e.to(tl.int64) * stride_be
     out = part_ptr + split * stride_ps + row.to(tl.int64) * stride_pr
     n_begin = tl.program_id(1) * n_chunk
     for n0 in range(n_begin, tl.minimum(n_begin + n_chunk, N), ROWS):
         n = n0 + tl.arange(0, ROWS)
         n_ok = n < N
-        ok = n_ok[:, None] & blk_ok[None, :]
-        words = tl.load(w_e + n.to(tl.int64)[:, None] * stride_wn * 4, mask=ok, other=0)
-        s_ok = n_ok[:, None] & (s_blk < K // 32)[None, :]
-        scales = tl.load(s_e + n.to(tl.int64)[:, None] * stride_sn, mask=s_ok, other=127).to(tl.int32)
-        p = tl.zeros([ROWS, 128], tl.float32)
-        p = _pair_fma(_pair_fma(p, words, x0l, x0h, 0), words, x1l, x1h, 1)
-        p = _pair_fma(_pair_fma(p, words, x2l, x2h, 2), words, x3l, x3h, 3)
-        block_sums = tl.sum(tl.reshape(p, [ROWS, 32, 4]), 2)
-        y = tl.sum(block_sums * (_e8m0(scales) * 16384.0), 1)  # 2^14 undoes the decode's 2^-14
+        n3 = n[:, None, None]
+        words = tl.load(w_e + n3.to(tl.int64) * stride_wn * 4, mask=(n3 < N) & blk_ok, other=0)
+        scales = tl.load(s_e + n3.to(tl.int64) * stride_sn, mask=(n3 < N) & (s_blk < K // 32), other=127)
+        if F16:
+            p = _word_dot_f16(words, x0, x1, x2, x3, PTX)
+        else:
+            p = _word_dot_f32(words, x0l, x0h, x1l, x1h, x2l, x2h, x3l, x3h)
+        block_sums = tl.sum(tl.reshape(p, [ROWS, 4, 8, 4]), 3)
+        y = tl.sum(tl.sum(block_sums * _e8m0(scales.to(tl.int32)), 2), 1) * unscale
         y += tl.load(b_e + n, mask=n_ok, other=0.0).to(tl.float32) * (split == 0).to(tl.float32)
         tl.store(out + n, y, mask=n_ok)
     if USE_PDL:  # PDL: the next kernel's programs may become resident only now, not while this grid still
@@ -432,8 +529,8 @@ def _gemv(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: tor
     _mxfp4_gemv_kernel[(r.order.shape[0], triton.cdiv(N, n_chunk), split)](
         x, words, scales, bias, part, r.order, r.offsets, E, N, nb * 32, n_chunk, x.stride(0), blocks.stride(0) // 16,
         blocks.stride(1) // 16, scales.stride(0), scales.stride(1), bias.stride(0), part.stride(0), part.stride(1),
-        GATHER=gather, TOP_K=top_k, ROWS=t.gemv_rows, E_PAD=triton.next_power_of_2(E), num_warps=t.num_warps,
-        num_stages=t.num_stages, **pdl_launch(x))
+        GATHER=gather, TOP_K=top_k, ROWS=t.gemv_rows, E_PAD=triton.next_power_of_2(E), F16=x.dtype in _LHS_FORMATS,
+        PTX=GEMV_PTX and x.is_cuda and not interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(x))
     return split
 
 
