@@ -74,7 +74,8 @@ def main() -> None:
                 want = layer(x).float()
             nbytes = experts * expert_bytes
             for c in (candidates if T <= a.max_t else candidates[:1]):
-                tm.moe_tiles = lambda n, k, mxfp4=False, c=c: tm.MoeTiles(*c) if n <= a.max_t else shipped(n, k, mxfp4)
+                tm.moe_tiles = lambda n, k, mxfp4=False, c=c, **kw: (tm.MoeTiles(*c) if n <= a.max_t
+                                                                     else shipped(n, k, mxfp4, **kw))
                 try:
                     with torch.no_grad():
                         err = ((layer(x).float() - want).norm() / want.norm()).item()

@@ -6,9 +6,9 @@ Compiles `_moe_mxfp4_up_kernel` (MMA tiles, `tl.dot_scaled`) and `_mxfp4_gemv_ke
 would at the 120B up projection and one token (Triton's own ptxas and cuobjdump, `GPUTarget("cuda", 90)`), finds each
 kernel's innermost loop in the SASS and counts its instructions by opcode, per weight a thread handles in one step.
 In the MMA kernel the FP4 expansion is most of them, but `mxfp4_fp16_probe.py` measured that its instruction count is
-not what holds it; for the GEMVs these counts put issue at ~2/3 of their measured time at 8-16 tokens (an estimate,
-`docs/benchmarks/moe_tiles.md`). Writes
-sass_mix.json (and the SASS) to --out.
+not what holds it. The GEMVs are timed three ways: fp32 products (fp32 activations), and the fp16 pairs of bf16
+activations in Triton and in the inline PTX that ships (`docs/benchmarks/moe_tiles.md`). Writes sass_mix.json (and
+the SASS) to --out.
 Run it with the GPU machines' Triton (3.6) for their figure: the wheel installed to a side directory and put first
 on PYTHONPATH (`pip install --no-deps --target /tmp/t36 triton==3.6.0`, then `PYTHONPATH=/tmp/t36 python ...`).
 """
@@ -45,13 +45,17 @@ VARIANTS = {  # name: (kernel, signature, values, constexprs, weights a thread h
         "_moe_mxfp4_up_kernel", MMA_SIG, MMA_VALUES,
         dict(MMA_CONST, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, DOT_SCALED=True, LHS_FMT="bf16", DOT_PREC="tf32"),
         2 * 32 * 128 // 64, 2, 4),
-    "gemv (CUDA cores, 8 rows x 32 blocks a step, 2 warps)": (
+    "gemv, fp32 products (fp32 activations; 16 rows x 32 blocks a step, 2 warps)": (
         "_mxfp4_gemv_kernel", GEMV_SIG, GEMV_VALUES,
-        dict(GATHER=True, TOP_K=4, ROWS=8, E_PAD=128, USE_PDL=False),
-        8 * 32 * 32 // 64, 2, 1),
-    "gemv (CUDA cores, 16 rows x 32 blocks a step, 2 warps: GEMV_TILES)": (
+        dict(GATHER=True, TOP_K=4, ROWS=16, E_PAD=128, F16=False, PTX=False, USE_PDL=False),
+        16 * 32 * 32 // 64, 2, 1),
+    "gemv, fp16 pairs in Triton (PEAGLE_MXFP4_PTX=0)": (
         "_mxfp4_gemv_kernel", GEMV_SIG, GEMV_VALUES,
-        dict(GATHER=True, TOP_K=4, ROWS=16, E_PAD=128, USE_PDL=False),
+        dict(GATHER=True, TOP_K=4, ROWS=16, E_PAD=128, F16=True, PTX=False, USE_PDL=False),
+        16 * 32 * 32 // 64, 2, 1),
+    "gemv, fp16 pairs in inline PTX (GEMV_TILES: what ships)": (
+        "_mxfp4_gemv_kernel", GEMV_SIG, GEMV_VALUES,
+        dict(GATHER=True, TOP_K=4, ROWS=16, E_PAD=128, F16=True, PTX=True, USE_PDL=False),
         16 * 32 * 32 // 64, 2, 1),
 }
 

@@ -220,7 +220,7 @@ def moe_packed() -> None:
                   w1_scales=torch.randint(120, 124, (E, 2 * I, H // 32), dtype=torch.uint8),
                   w2_blocks=torch.randint(0, 256, (E, H, I // 32, 16), dtype=torch.uint8),
                   w2_scales=torch.randint(120, 124, (E, H, I // 32), dtype=torch.uint8))
-    for T in (1, 8):
+    for T in (1, 8, 24):  # GEMV_TILES, and GEMV_TILES_WIDE past 16 tokens
         moe_mxfp4(randn(T, H), **packed, top_k=4, alpha=1.702, limit=7.0)
     moe_mxfp4(randn(1, H, dtype=torch.float32), **{k: v.float() if v.is_floating_point() else v
                                                    for k, v in packed.items()}, top_k=4, alpha=1.702, limit=7.0)

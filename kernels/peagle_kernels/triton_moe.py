@@ -197,12 +197,21 @@ def sort_pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch
     return order.to(torch.int32), offsets.to(torch.int32)
 
 
-# MXFP4 decode: "gemv" (`_mxfp4_gemv_kernel` through GEMV_MAX_TOKENS tokens) or "mma" (the tensor-core kernels at
-# every size). On an H100 the GEMVs ran the 120B layer 1.34x (1 token) to 1.67x (4-8) faster than the MMA kernels
-# (1.57x at 16), the 20B layer 1.4-1.6x at 1-8 tokens and even at 16 (E = 32: ~2 rows an expert, and a GEMV reads
-# its expert's weights once a row). docs/benchmarks/moe_tiles.md
+# MXFP4 decode: "gemv" (`_mxfp4_gemv_kernel` while `use_gemv` says so) or "mma" (the tensor-core kernels at every
+# size). A GEMV program reads its expert's weights once a sorted row, the MMA kernels once an expert: the GEMVs win
+# while an expert has few rows. On an H100 (docs/benchmarks/moe_tiles.md) they ran the 120B layer (E = 128) 1.6x
+# (1 token) to 1.95x (24 tokens) faster than the MMA kernels, still 1.37x at 64 tokens (2 rows an expert); the 20B
+# layer (E = 32) 1.7-1.9x at 1-8 tokens, 1.1x at 24 (3 rows an expert), 0.92x at 32 (4).
 MXFP4_DECODE = os.environ.get("PEAGLE_MXFP4_DECODE", "gemv")
-GEMV_MAX_TOKENS = 16
+GEMV_MAX_TOKENS = 64  # measured no further
+GEMV_MAX_ROWS_PER_EXPERT = 3
+
+
+def use_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether MXFP4 experts run as GEMVs (`PEAGLE_MXFP4_DECODE=gemv`): through 64 tokens while the routed rows
+    average at most 3 an expert (GPT-OSS-120B: 64 tokens; 20B: 24)."""
+    return (MXFP4_DECODE == "gemv" and num_tokens <= GEMV_MAX_TOKENS
+            and num_tokens * top_k <= GEMV_MAX_ROWS_PER_EXPERT * num_experts)
 
 
 @dataclass(frozen=True)
@@ -224,15 +233,18 @@ class MoeTiles:
     # down_n are then the rows a program covers; K is cut in chunks of 32 blocks)
 
 
-# MXFP4 experts as CUDA-core GEMVs: one sorted row a program, 64 w1 rows or 32 w2 rows a program, 16 a loop step.
-# Of 9 launch shapes timed at 1-16 tokens (120B and 20B, H100), the best or within 7% of it at every size.
+# MXFP4 experts as CUDA-core GEMVs: one sorted row a program, 64 w1 rows or 32 w2 rows a program (twice that past 16
+# tokens), 16 a loop step. Of the launch shapes timed at 1-64 tokens (120B and 20B, H100), the best or within 7% of it
+# at every size; the wider one was 2-6% faster from 24 tokens up (more rows share a program's activations).
 GEMV_TILES = MoeTiles(1, 64, 32, 32 * 32, 2, 1, gemv_rows=16)
+GEMV_TILES_WIDE = MoeTiles(1, 128, 64, 32 * 32, 2, 1, gemv_rows=16)
 
 
-def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False, gemv: bool | None = None) -> MoeTiles:
-    """`gemv` (MXFP4 only): None follows PEAGLE_MXFP4_DECODE through GEMV_MAX_TOKENS tokens; True/False force."""
-    if mxfp4 and (gemv or (gemv is None and num_tokens <= GEMV_MAX_TOKENS and MXFP4_DECODE == "gemv")):
-        return GEMV_TILES
+def moe_tiles(num_tokens: int, top_k: int, mxfp4: bool = False, gemv: bool | None = None,
+              num_experts: int = 0) -> MoeTiles:
+    """`gemv` (MXFP4 only): None follows `use_gemv` (which needs `num_experts`); True/False force."""
+    if mxfp4 and (gemv or (gemv is None and use_gemv(num_tokens, top_k, num_experts))):
+        return GEMV_TILES if num_tokens <= 16 else GEMV_TILES_WIDE
     if mxfp4 and num_tokens <= 64:
         # Packed experts, measured on an H100 at the 120B and 20B shapes (docs/benchmarks/moe_tiles.md): two warps
         # and 32-wide N tiles through 64 tokens (1.36-1.47x the grouped tiles below at 64), K split in two at one
@@ -283,7 +295,7 @@ def route_and_sort(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tens
         raise ValueError(f"moe: routing for {tuple(routing.experts.shape)} pairs, x needs ({T}, {top_k})")
     gates, experts, sorted_pairs = routing or route_and_sort_pairs(x, router_w, router_b, top_k)
     order, offsets = sorted_pairs if sorted_pairs is not None else sort_pairs_by_expert(experts, E)
-    tiles = moe_tiles(T, top_k, mxfp4)
+    tiles = moe_tiles(T, top_k, mxfp4, num_experts=E)
     return RoutedPairs(gates.flatten().contiguous(), order, offsets, tiles, one_tile=T <= tiles.block_m)
 
 
@@ -329,5 +341,5 @@ def moe_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Tensor, 
     return token_outputs(y, T, top_k, reduce)
 
 
-__all__ = ["moe_triton", "token_outputs", "sort_pairs_by_expert", "moe_tiles", "GEMV_TILES", "MoeTiles",
+__all__ = ["moe_triton", "token_outputs", "sort_pairs_by_expert", "moe_tiles", "use_gemv", "GEMV_TILES", "MoeTiles",
            "route_and_sort", "RoutedPairs"]

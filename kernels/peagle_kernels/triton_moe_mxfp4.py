@@ -17,11 +17,12 @@ Two ways to expand a tile (constexpr `DOT_SCALED`):
   under TRITON_INTERPRET=1) and as the fallback if `dot_scaled` misbehaves on a GPU
   (`PEAGLE_MXFP4_DOT=unpack`).
 
-At decode sizes (through 16 tokens) the experts run instead as GEMVs on CUDA cores (`_mxfp4_gemv_kernel`,
+At decode and verify sizes (`triton_moe.use_gemv`: while experts average at most 3 routed rows, through 64 tokens)
+the experts run instead as GEMVs on CUDA cores (`_mxfp4_gemv_kernel`,
 `MoeTiles.gemv_rows`): activations held in registers for a whole K-chunk, a loop over weight rows that loads only
 codes and scales. bf16/fp16 activations meet the codes as fp16 pairs (two products an instruction, each word's
-eight summed in fp16, then fp32), fp32 activations in fp32. On an H100 they ran the 120B layer 1.4-1.7x faster than
-the MMA kernels at 1-16 tokens (docs/benchmarks/moe_tiles.md); PEAGLE_MXFP4_DECODE=mma keeps the MMA kernels at
+eight summed in fp16, then fp32), fp32 activations in fp32. On an H100 they ran the 120B layer 1.4-2.0x faster than
+the MMA kernels at 1-64 tokens (docs/benchmarks/moe_tiles.md); PEAGLE_MXFP4_DECODE=mma keeps the MMA kernels at
 every size.
 
 Layout: a packed matrix [E, N, K/32, 16] is read as bytes [E, N, K/2] (byte j of a row holds
@@ -463,7 +464,7 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
 
     r = route_and_sort(x, router_w, router_b, top_k, mxfp4=True, routing=routing)
     if gemv is not None and gemv != bool(r.tiles.gemv_rows):
-        forced = moe_tiles(T, top_k, mxfp4=True, gemv=gemv)
+        forced = moe_tiles(T, top_k, mxfp4=True, gemv=gemv, num_experts=E)
         r = dataclasses.replace(r, tiles=forced, one_tile=T <= forced.block_m)
     rows = T * top_k
     h = torch.empty(rows, inter, device=x.device, dtype=x.dtype)  # expert-sorted rows
