@@ -242,15 +242,16 @@ def _word_dot_f32(words, x0l, x0h, x1l, x1h, x2l, x2h, x3l, x3h):
 
 @triton.jit
 def _pair_fma(acc, words, x_lo, x_hi, I: tl.constexpr):
+    """acc += each word's weights I and I + 4 (fp32) times their fp32 activations."""
     lo, hi = _halves(_fp4_pair(words, I))
     return tl.fma(hi.to(tl.float32), x_hi, tl.fma(lo.to(tl.float32), x_lo, acc))
 
 
 # `_word_dot_f16` on a GPU: the same products and roundings in 17 instructions a word (Triton's own code for it
-# takes ~29). The pairs: the odd nibbles' magnitude bits moved down 3 to sit 6 below their sign bits, as a pair's
-# do at bits 9..11 and 15 (one funnel of shift and select, `lop3` 0xE4 = c ? a : b), so pair 3 is one mask and
-# pair 1 a shift and a mask; the even nibbles' sign bits moved up 3 the same way. Then one fp16x2 FMA a pair, the
-# halves added and widened.
+# takes ~25: benchmarks/sass_mix.py). The pairs: the odd nibbles' magnitude bits moved down 3 to sit 6 below their
+# sign bits, as a pair's do at bits 9..11 and 15 (one shift and select, `lop3` 0xE4 = c ? a : b), so pair 3 is one
+# mask and pair 1 a shift and a mask; the even nibbles' sign bits moved up 3 the same way. Then one fp16x2 FMA a
+# pair, the halves added and widened.
 _WORD_DOT_PTX = tl.constexpr("""{
 .reg .b32 odd, even, t, p, acc;
 .reg .f16 lo, hi, sum;
