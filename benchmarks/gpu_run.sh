@@ -52,7 +52,10 @@ sweep20b() {  # OUT_DIR CONCURRENCY: the 20B-shape sweep of `adaptive`, by defau
 report20b() {  # DIR: its sweep.{json,md,png} as the files docs/benchmarks/adaptive.md cites (copy them there)
   for ext in json md png; do cp "$1/sweep.$ext" "$OUT/adaptive_20b_stage3_uniform.$ext" 2>/dev/null; done
 }
-QUIET="C=\|leaked\|nanobind\|skipped remainder"  # per-cell lines and Triton's exit noise: the [bar] lines stay last
+QUIET="C=\|leaked\|nanobind\|skipped remainder"
+# spec-120b's engine: the 120B MXFP4 shape, acceptance replayed at conditional rates 0.80..0.45 (synthetic)
+SPEC120=(--shape 120b --device cuda --replay synthetic:0.80,0.72,0.66,0.60,0.55,0.50,0.45 --waves 2 --max-tokens 64
+         --warm-policy --kv-cache-gb 4)  # per-cell lines and Triton's exit noise: the [bar] lines stay last
 GPU_TESTS="tests/test_kernels_attention.py tests/test_kernels_moe.py tests/test_kernels_moe_mxfp4.py
            tests/test_kernels_routing.py tests/test_kernels_spec.py tests/test_kernels_norm_rope.py tests/test_graphs.py
            tests/test_training.py tests/test_timing.py"
@@ -172,14 +175,17 @@ case "${1:-}" in
     ;;
   gemv-f16)  # one GPU: this tree's MXFP4 GEMVs against an earlier commit's (BASE: `git archive -o data/base.tgz REV
              # kernels peagle_core ':(exclude)peagle_core/assets'`, carried): the GEMV GPU tests, the MoE layer at 1-32
-             # tokens by launch shape (120B, 20B; the base tree's shipped shapes alone), then the 120B step's kernels
+             # tokens by launch shape (120B, 20B; the base tree's shipped shapes alone; 40-64 tokens this tree's only), then the
+             # 120B step's kernels
     mkdir -p /tmp/base/benchmarks && tar xzf "${BASE:-data/base.tgz}" -C /tmp/base || exit 1
     cp benchmarks/moe_tiles.py /tmp/base/benchmarks/  # (its flags; it imports the kernels beside it)
     timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_kernels_moe_mxfp4.py \
       -k "gemv or graph" 2>&1 | tail -n 5
-    tiles_args=(--max-t 32 --tokens "${GEMV_TOKENS:-1,2,4,8,16,24,32}" --layers 120b-gemv,20b-gemv)
+    tiles_args=(--max-t 64 --tokens "${GEMV_TOKENS:-1,2,4,8,16,24,32}" --layers 120b-gemv,20b-gemv)
     timeout "${MOE_TIMEOUT:-200}" python3 benchmarks/moe_tiles.py --out "$OUT/tiles" "${tiles_args[@]}" \
       --max-candidates "${GEMV_CANDIDATES:-7}" > "$OUT/tiles.log" 2>&1; grep -v "^{" "$OUT/tiles.log" | tail -n 16
+    timeout "${WIDE_TIMEOUT:-60}" python3 benchmarks/moe_tiles.py --out "$OUT/tiles_wide" --max-t 64 --tokens 40,48,64 \
+      --layers 120b-gemv,20b-gemv --max-candidates 5 > "$OUT/tiles_wide.log" 2>&1; grep -v "^{" "$OUT/tiles_wide.log" | tail -n 6
     (cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/base/kernels:/tmp/site timeout "${BASE_TIMEOUT:-100}" python3 \
       benchmarks/moe_tiles.py --out "$OUT/tiles_base" "${tiles_args[@]}" --max-candidates 3 > "$OUT/tiles_base.log" 2>&1)
     grep -v "^{" "$OUT/tiles_base.log" | tail -n 16
@@ -197,8 +203,7 @@ case "${1:-}" in
   spec-120b)  # one GPU: issue 51's speculation end to end at the 120B MXFP4 shape, acceptance replayed at the
               # conditional rates 0.80..0.45 per position (synthetic, benchmark only): per-user tok/s at concurrency 1,
               # 4 and 16 for no speculation, P-EAGLE K = 3, 5, 7 and adaptive, then EAGLE-3 K = 3
-    local_args=(--shape 120b --device cuda --replay synthetic:0.80,0.72,0.66,0.60,0.55,0.50,0.45 --concurrency 1,4,16
-                --waves 2 --min-requests 4 --max-tokens 64 --warm-policy --kv-cache-gb 4)
+    local_args=("${SPEC120[@]}" --concurrency 1,4,16 --min-requests 4)
     timeout "${SPEC_TIMEOUT:-340}" python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" \
       --policies none,K3,K5,K7,adaptive --time-budget-s "${SPEC_BUDGET:-250}" --out /tmp/spec120 \
       > "$OUT/spec120.log" 2>&1; grep -v "$QUIET" "$OUT/spec120.log" | tail -n 12
@@ -210,12 +215,10 @@ case "${1:-}" in
                      # first), then its one-request level in two rounds (one engine build each, Triton's compiles
                      # shared): if adaptive's ~25 ms k = 0 steps (the drafter's eager catch-up) are first-use compiles,
                      # round 2's are near a decode step
-    local_args=(--shape 120b --device cuda --replay synthetic:0.80,0.72,0.66,0.60,0.55,0.50,0.45 --waves 2
-                --max-tokens 64 --warm-policy --kv-cache-gb 4)
-    timeout "${C16_TIMEOUT:-220}" python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" --concurrency 4,16 \
+    timeout "${C16_TIMEOUT:-220}" python3 benchmarks/adaptive_sweep.py sweep "${SPEC120[@]}" --concurrency 4,16 \
       --min-requests 4 --policies adaptive,none,K3,K7 --out "$OUT/c16" > "$OUT/c16.log" 2>&1
     grep -v "$QUIET" "$OUT/c16.log" | tail -n 6
-    timeout "${C1_TIMEOUT:-150}" python3 benchmarks/adaptive_sweep.py sweep "${local_args[@]}" --concurrency 1 \
+    timeout "${C1_TIMEOUT:-150}" python3 benchmarks/adaptive_sweep.py sweep "${SPEC120[@]}" --concurrency 1 \
       --min-requests 6 --rounds 2 --policies adaptive,none,K3 --out "$OUT/c1" > "$OUT/c1.log" 2>&1
     grep -v "$QUIET" "$OUT/c1.log" | tail -n 4
     rm -rf "$OUT/c1/cells" "$OUT/c16/cells"

@@ -445,8 +445,8 @@ def moe_mxfp4_triton(x: torch.Tensor, router_w: torch.Tensor, router_b: torch.Te
     `tl.dot_scaled` for bf16/fp16 activations (unless PEAGLE_MXFP4_DOT=unpack) and the explicit decode
     otherwise; True/False force one (tests). `split_k`: None takes the tiles' (`MoeTiles.split_k`), a number
     forces it. Both are the MMA kernels' knobs; the GEMVs ignore them. `gemv`: None lets the tiles choose
-    (`MoeTiles.gemv_rows`: the GEMVs at decode sizes); True/False force the CUDA-core GEMVs or the MMA kernels.
-    `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
+    (`MoeTiles.gemv_rows`: the GEMVs at decode and verify sizes, `triton_moe.use_gemv`); True/False force the
+    CUDA-core GEMVs or the MMA kernels. `routing`: x's routing worked out already (`peagle_kernels.moe.Routing`)."""
     w1_shape, w2_shape = mxfp4_shape(w1_blocks, w1_scales, "w1"), mxfp4_shape(w2_blocks, w2_scales, "w2")
     check_moe_shapes(x, router_w, router_b, w1_shape, b1, w2_shape, b2, top_k, "w1_blocks", "w2_blocks")
     if dot_scaled is None:
@@ -532,7 +532,8 @@ def _gemv(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: tor
         x, words, scales, bias, part, r.order, r.offsets, E, N, nb * 32, n_chunk, x.stride(0), blocks.stride(0) // 16,
         blocks.stride(1) // 16, scales.stride(0), scales.stride(1), bias.stride(0), part.stride(0), part.stride(1),
         GATHER=gather, TOP_K=top_k, ROWS=t.gemv_rows, E_PAD=triton.next_power_of_2(E), F16=x.dtype in _LHS_FORMATS,
-        PTX=GEMV_PTX and x.is_cuda and not interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(x))
+        PTX=GEMV_PTX and x.is_cuda and not interpret_mode(), num_warps=t.num_warps, num_stages=t.num_stages,
+        **pdl_launch(x))
     return split
 
 
